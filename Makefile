@@ -1,0 +1,45 @@
+# Set-up from nothing: `make demo` and `make test` create .venv and install into it.
+# A torch that is already importable is kept (pinned by a constraint); otherwise torch==2.13.0 is installed,
+# never an unpinned torch, which could pull a multi-GB CUDA build.
+PYTHON ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.memtrace-installed
+EXTRAS ?= test,examples,report
+
+.PHONY: setup demo test test-gpu benchmark screenshot clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@if [ ! -x $(VPY) ]; then \
+	  if $(PYTHON) -c "import torch" >/dev/null 2>&1; then \
+	    echo "torch found in $(PYTHON): keeping it (venv with system site-packages)"; \
+	    $(PYTHON) -m venv --system-site-packages $(VENV); \
+	  else \
+	    $(PYTHON) -m venv $(VENV); \
+	  fi; \
+	fi
+	@if ! $(VPY) -c "import torch" >/dev/null 2>&1; then \
+	  echo "installing torch==2.13.0"; \
+	  $(VPY) -m pip install -q "torch==2.13.0"; \
+	fi
+	@$(VPY) -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/torch-constraint.txt
+	@echo "using $$(cat $(VENV)/torch-constraint.txt)"
+	$(VPY) -m pip install -q -c $(VENV)/torch-constraint.txt -e ".[$(EXTRAS)]"
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(VPY) examples/train_tiny_lm.py
+
+test: $(STAMP)
+	$(VPY) -m pytest -q -p no:cacheprovider tests
+
+test-gpu: $(STAMP)
+	$(VPY) -m pytest -q -p no:cacheprovider tests/gpu
+
+benchmark: $(STAMP)
+	$(VPY) benchmarks/overhead.py
+
+clean:
+	rm -rf $(VENV) memtrace_demo build dist

@@ -1,0 +1,327 @@
+"""
+MemTrace
+========
+
+A Lightning callback that shows where the memory of a training run goes, phase by phase, and why it ran out.
+
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks.callback import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lightning_memtrace.recorder import MemoryRecorder
+from lightning_memtrace.tracker import is_out_of_memory
+from lightning_memtrace.types import COUNTERS, PhaseRecord
+from lightning_memtrace.units import MIB
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _guarded(hook: _F) -> _F:
+    """MemTrace must never break training: a failure of its own becomes one warning and MemTrace switches off."""
+
+    @functools.wraps(hook)
+    def wrapper(self: MemTrace, *args: Any, **kwargs: Any) -> Any:
+        if self._disabled:
+            return None
+        try:
+            return hook(self, *args, **kwargs)
+        except Exception as error:
+            self._disable(f"{hook.__name__} failed ({type(error).__name__}: {error})")
+            return None
+
+    return wrapper  # type: ignore[return-value]
+
+
+class MemTrace(Callback):
+    r"""Measures memory at every phase of every training step, records the allocator's history and explains OOMs.
+
+    Add it with ``Trainer(callbacks=[MemTrace()])``; nothing else is needed.
+
+    **Rows** are taken at these phases (Lightning's hook in brackets):
+
+    - ``batch_start`` (``on_train_batch_start``)
+    - ``after_forward`` (``on_before_zero_grad`` where Lightning calls it in that batch, else ``on_before_backward``)
+    - ``after_backward`` (``on_after_backward``)
+    - ``after_optimizer_step`` (a step post-hook on each of the Trainer's optimizers: once per real update)
+    - ``batch_end`` (``on_train_batch_end``)
+    - ``val_batch_start`` / ``val_batch_end`` (validation batches; activations are 0 there)
+
+    **CSV** ``<trainer.log_dir>/memtrace/phases_rank<R>.csv`` (or ``<dirpath>/phases_rank<R>.csv``), one flushed
+    line per row, appended on resume. Columns:
+
+    - ``step``: the global step when the batch started (every row of a batch carries it)
+    - ``epoch``, ``batch_idx``, ``rank``, ``phase``
+    - ``time_s``: Unix time, seconds
+    - ``allocated_bytes``: bytes allocated on the device (CUDA: ``memory_allocated``; elsewhere: the tracker)
+    - ``reserved_bytes``: bytes reserved by the caching allocator (equal to allocated without one)
+    - ``peak_bytes``: highest allocated bytes since the previous row
+    - ``parameters_bytes``: distinct storages of the model's parameters (tied weights once)
+    - ``gradients_bytes``: storages of the parameters' ``.grad``
+    - ``optimizer_state_bytes``: storages in the optimizers' ``state`` on this device
+    - ``activations_bytes``: storages autograd saved for backward in this step and still alive (not parameters or
+      inputs)
+    - ``inputs_bytes``: storages of the batch's tensors on the device
+    - ``other_bytes``: allocated minus the categories above, never negative
+
+    **Logged metrics**, through every logger of the Trainer, at the row's step, in MiB (1024-based):
+    ``memtrace/<phase>/<counter>`` for each phase above and each counter in ``allocated``, ``reserved``, ``peak``,
+    ``parameters``, ``gradients``, ``optimizer_state``, ``activations``, ``inputs``, ``other``.
+
+    **Snapshots**: for a window of steps (by default the second and third steps of the run) the allocator's history is
+    recorded and written as ``snapshot_rank<R>_steps<a>-<b>.pickle``, which pytorch.org/memory_viz,
+    ``torch.cuda._memory_viz`` and ``memtrace report`` open. On CUDA that is the caching allocator's own history
+    (``_record_memory_history``, Python stacks, a ring buffer of ``max_entries``) with each allocation tagged with its
+    phase; on CPU the storage-level tracker writes the same format.
+
+    **Post-mortem**: on an out-of-memory error, ``oom_rank<R>_step<N>.pickle`` and ``oom_rank<R>_step<N>.txt`` (step,
+    phase, requested size, live memory by category, the ten largest live allocations and where they were made, what
+    to change) are written before the error propagates unchanged.
+
+    Args:
+        dirpath: Folder for the files. Default: ``<trainer.log_dir>/memtrace``.
+        track_allocations: Count allocations with the storage-level tracker. Default (None): on where the device's
+            allocator has no counters (CPU), off on CUDA.
+        history: Record the allocator's history for a window of steps and write a snapshot.
+        history_skip_steps: Steps of the run before the window opens (default 1: skip the first step).
+        history_steps: Steps in the window (default 2).
+        max_entries: Ring-buffer size of the history, in events.
+        frames_min_bytes: Outside the window, the CPU tracker records a stack only for allocations at least this
+            large (bytes).
+        log_metrics: Log the rows to the Trainer's loggers.
+        every_n_steps: Take rows only on global steps divisible by this.
+        max_rows: Most rows written to the CSV per run.
+        max_snapshots: Most window snapshots kept per rank (oldest removed).
+        post_mortem: Write a post-mortem on out-of-memory errors.
+    """
+
+    def __init__(
+        self,
+        dirpath: str | os.PathLike | None = None,
+        track_allocations: bool | None = None,
+        history: bool = True,
+        history_skip_steps: int = 1,
+        history_steps: int = 2,
+        max_entries: int = 100_000,
+        frames_min_bytes: int = 1024**2,
+        log_metrics: bool = True,
+        every_n_steps: int = 1,
+        max_rows: int | None = 1_000_000,
+        max_snapshots: int = 10,
+        post_mortem: bool = True,
+    ) -> None:
+        self.dirpath = Path(dirpath) if dirpath is not None else None
+        self.track_allocations = track_allocations
+        self.history = history
+        self.history_skip_steps = history_skip_steps
+        self.history_steps = history_steps
+        self.max_entries = max_entries
+        self.frames_min_bytes = frames_min_bytes
+        self.log_metrics = log_metrics
+        self.every_n_steps = every_n_steps
+        self.max_rows = max_rows
+        self.max_snapshots = max_snapshots
+        self.post_mortem = post_mortem
+
+        self.recorder: MemoryRecorder | None = None
+        self.output_dir: Path | None = None
+        self.device: Any = None
+        self._trainer: pl.Trainer | None = None
+        self._rank = 0
+        self._disabled = False
+        self._pending: dict[str, float] = {}
+        self._pending_step = 0
+        self._rows_total = 0
+        self._last_step: int | None = None
+        self._files: list[Path] = []
+
+    # --------------------------------------------------------------------------------------------- helpers
+    def _disable(self, reason: str) -> None:
+        self._disabled = True
+        rank_zero_warn(f"MemTrace switched itself off: {reason}. Training goes on.")
+        recorder, self.recorder = self.recorder, None
+        if recorder is not None:
+            try:
+                recorder.stop()
+            except Exception:
+                pass
+
+    def _on_record(self, record: PhaseRecord) -> None:
+        self._rows_total += 1
+        self._last_step = record.step
+        if not self.log_metrics:
+            return
+        if self._pending and record.step != self._pending_step:
+            self._flush_metrics()
+        self._pending_step = record.step
+        phase = record.phase.value
+        for counter in COUNTERS:
+            self._pending[f"memtrace/{phase}/{counter}"] = getattr(record, f"{counter}_bytes") / MIB
+
+    def _flush_metrics(self) -> None:
+        metrics, self._pending = self._pending, {}
+        trainer = self._trainer
+        if not metrics or trainer is None:
+            return
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=self._pending_step)
+
+    @property
+    def files(self) -> list[Path]:
+        """Snapshot and post-mortem files written in this run."""
+        return list(self.recorder.files) if self.recorder is not None else list(self._files)
+
+    # --------------------------------------------------------------------------------------------- hooks
+    @override
+    @_guarded
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._trainer = trainer
+        self._rank = trainer.global_rank
+        if self.dirpath is not None:
+            self.output_dir = self.dirpath
+        else:
+            # trainer.log_dir broadcasts across ranks: resolve it here, where every rank is, never in on_exception.
+            log_dir = trainer.log_dir or trainer.default_root_dir
+            self.output_dir = Path(log_dir) / "memtrace"
+
+    @override
+    @_guarded
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.recorder is not None:
+            self.recorder.stop()
+        self._files = []
+        self.device = pl_module.device
+        self.recorder = MemoryRecorder(
+            pl_module,
+            list(trainer.optimizers),
+            device=pl_module.device,
+            rank=self._rank,
+            output_dir=self.output_dir,
+            track_allocations=self.track_allocations,
+            history=self.history,
+            history_skip_steps=self.history_skip_steps,
+            history_steps=self.history_steps,
+            max_entries=self.max_entries,
+            frames_min_bytes=self.frames_min_bytes,
+            post_mortem=self.post_mortem,
+            max_rows=self.max_rows,
+            every_n_steps=self.every_n_steps,
+            max_snapshots=self.max_snapshots,
+            on_record=self._on_record,
+        )
+        self.recorder.start()
+
+    @override
+    @_guarded
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self.recorder is not None:
+            self.recorder.begin_batch(batch, trainer.global_step, trainer.current_epoch, batch_idx, training=True)
+
+    @override
+    @_guarded
+    def on_before_zero_grad(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if self.recorder is not None:
+            self.recorder.mark_forward_done()
+
+    @override
+    @_guarded
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
+        if self.recorder is not None:
+            self.recorder.mark_forward_done()
+
+    @override
+    @_guarded
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.recorder is not None:
+            self.recorder.mark_backward_done()
+
+    @override
+    @_guarded
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.recorder is not None:
+            self.recorder.end_batch(next_step=trainer.global_step)
+            self._flush_metrics()
+
+    @override
+    @_guarded
+    def on_validation_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        if self.recorder is not None and not trainer.sanity_checking:
+            self.recorder.begin_batch(batch, trainer.global_step, trainer.current_epoch, batch_idx, training=False)
+
+    @override
+    @_guarded
+    def on_validation_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        if self.recorder is not None and not trainer.sanity_checking:
+            self.recorder.end_batch()
+            self._flush_metrics()
+
+    @override
+    @_guarded
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._finish()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # Runs on each rank for itself: no collective here. Never raises: the training error must propagate unchanged.
+        try:
+            recorder = self.recorder
+            if recorder is not None and is_out_of_memory(exception):
+                recorder.write_post_mortem(exception)
+        except Exception as error:
+            rank_zero_warn(f"MemTrace could not write the post-mortem: {error!r}")
+        finally:
+            try:
+                self._finish()
+            except Exception:
+                pass
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        try:
+            self._finish()
+        except Exception:
+            pass
+
+    def _finish(self) -> None:
+        recorder = self.recorder
+        if recorder is None:
+            return
+        self._files = list(recorder.files)
+        try:
+            recorder.stop()
+        finally:
+            self._flush_metrics()
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": 1, "rows": self._rows_total, "last_step": self._last_step}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._rows_total = int(state_dict.get("rows", 0) or 0)
+        self._last_step = state_dict.get("last_step")

@@ -1,0 +1,144 @@
+"""What live memory is made of: parameters, gradients, optimizer state, inputs and saved activations, per storage."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_memtrace.storages import iter_tensors, optimizer_state_tensors, same_device, storage_key
+from lightning_memtrace.types import Category
+
+StorageMap = dict[int, torch.UntypedStorage]
+
+
+class SavedTensorsRecorder:
+    """Remembers the storages autograd saves for backward, through ``saved_tensors_hooks``.
+
+    The hooks are pushed with :meth:`push` before a forward and popped with :meth:`pop` after it; the tensors
+    themselves are untouched (the pack hook returns them as they are), only weak references to their storages are kept.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._saved: dict[int, weakref.ref] = {}
+        self._hooks: Any = None
+        self.unavailable_reason: str | None = None
+
+    @property
+    def pushed(self) -> bool:
+        return self._hooks is not None
+
+    def clear(self) -> None:
+        self._saved.clear()
+
+    def _pack(self, tensor: Tensor) -> Tensor:
+        try:
+            if same_device(tensor.device, self.device):
+                storage = tensor.untyped_storage()
+                key = storage._cdata
+                ref = self._saved.get(key)
+                if ref is None or ref() is not storage:
+                    self._saved[key] = weakref.ref(storage)
+        except Exception:
+            pass
+        return tensor
+
+    @staticmethod
+    def _unpack(tensor: Tensor) -> Tensor:
+        return tensor
+
+    def push(self) -> bool:
+        if self._hooks is not None:
+            return True
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        try:
+            hooks.__enter__()
+        except RuntimeError as error:
+            # e.g. "Saved tensors default hooks are disabled" under some compiled regions.
+            self.unavailable_reason = str(error).splitlines()[0]
+            return False
+        self._hooks = hooks
+        return True
+
+    def pop(self) -> None:
+        hooks, self._hooks = self._hooks, None
+        if hooks is not None:
+            hooks.__exit__(None, None, None)
+
+    def live_storages(self) -> StorageMap:
+        out: StorageMap = {}
+        dead = []
+        for key, ref in self._saved.items():
+            storage = ref()
+            if storage is None:
+                dead.append(key)
+            else:
+                out[key] = storage
+        for key in dead:
+            self._saved.pop(key, None)
+        return out
+
+
+class CategoryCounter:
+    """Assigns every storage it can name to one category, on one device, and sums their bytes.
+
+    Priority when a storage is in two places: parameters, gradients, optimizer state, inputs, activations. So a
+    weight that autograd saves for backward stays a parameter, and a batch tensor saved for backward stays an input.
+    """
+
+    def __init__(self, device: torch.device, model: nn.Module | None = None, optimizers: Sequence[Any] = ()) -> None:
+        self.device = device
+        self.model = model
+        self.optimizers: list[Any] = list(optimizers)
+
+    def _collect(self, tensors: Iterable[Tensor], into: dict[int, tuple[Category, torch.UntypedStorage]], category: Category) -> None:
+        device = self.device
+        for tensor in tensors:
+            if not isinstance(tensor, Tensor) or not same_device(tensor.device, device):
+                continue
+            found = storage_key(tensor)
+            if found is None:
+                continue
+            key, storage = found
+            if key not in into:
+                into[key] = (category, storage)
+
+    def classify(
+        self, inputs: StorageMap | None = None, saved: StorageMap | None = None
+    ) -> dict[int, tuple[Category, torch.UntypedStorage]]:
+        """Map storage key -> (category, storage) for everything nameable now."""
+        out: dict[int, tuple[Category, torch.UntypedStorage]] = {}
+        params: list[Tensor] = list(self.model.parameters()) if self.model is not None else []
+        for optimizer in self.optimizers:
+            for group in getattr(optimizer, "param_groups", []):
+                params.extend(p for p in group.get("params", []) if isinstance(p, Tensor))
+        self._collect(params, out, Category.PARAMETERS)
+        self._collect((p.grad for p in params if p.grad is not None), out, Category.GRADIENTS)
+        for optimizer in self.optimizers:
+            self._collect(optimizer_state_tensors(optimizer), out, Category.OPTIMIZER_STATE)
+        for category, storages in ((Category.INPUTS, inputs), (Category.ACTIVATIONS, saved)):
+            for key, storage in (storages or {}).items():
+                if key not in out and same_device(storage.device, self.device):
+                    out[key] = (category, storage)
+        return out
+
+    @staticmethod
+    def totals(classified: dict[int, tuple[Category, torch.UntypedStorage]]) -> dict[Category, int]:
+        totals = {category: 0 for category in Category}
+        for category, storage in classified.values():
+            totals[category] += storage.nbytes()
+        return totals
+
+
+def input_storages(batch: Any, device: torch.device) -> StorageMap:
+    out: StorageMap = {}
+    for tensor in iter_tensors(batch):
+        if same_device(tensor.device, device):
+            found = storage_key(tensor)
+            if found is not None:
+                out.setdefault(found[0], found[1])
+    return out

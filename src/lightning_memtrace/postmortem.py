@@ -1,0 +1,138 @@
+"""The plain-language summary written next to the snapshot when a run dies of out-of-memory."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from lightning_memtrace.frames import Frame, format_frame, user_frame
+from lightning_memtrace.types import Category, Stage
+from lightning_memtrace.units import format_bytes, format_bytes_exact
+
+
+@dataclasses.dataclass
+class LiveBlock:
+    """One live allocation at the moment of failure."""
+
+    nbytes: int
+    frames: list[Frame]
+    metadata: str = ""
+    category: str = ""
+
+
+@dataclasses.dataclass
+class PostMortem:
+    """Everything the summary says. Bytes are integers."""
+
+    rank: int
+    device: str
+    step: int
+    epoch: int
+    batch_idx: int
+    stage: str
+    exception_type: str
+    message: str
+    requested_bytes: int | None
+    allocated_bytes: int
+    reserved_bytes: int
+    categories: dict[str, int]
+    largest: list[LiveBlock]
+    failing_frames: list[Frame] = dataclasses.field(default_factory=list)
+    device_free_bytes: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _stage_text(stage: str) -> str:
+    try:
+        return Stage(stage).description
+    except ValueError:
+        return stage
+
+
+def advice(pm: PostMortem) -> list[str]:
+    """What to change, with the numbers that point there."""
+    tips: list[str] = []
+    total = max(1, sum(pm.categories.values()))
+    share = {name: value / total for name, value in pm.categories.items()}
+    if pm.requested_bytes and pm.allocated_bytes and pm.requested_bytes > 4 * max(pm.allocated_bytes, 1):
+        tips.append(
+            f"The failed request alone ({format_bytes(pm.requested_bytes)}) is over 4x everything live "
+            f"({format_bytes(pm.allocated_bytes)}): look first at the line that asked for it (below); a shape or "
+            "dtype there is likely wrong, or one tensor (logits of a large vocabulary?) should be chunked."
+        )
+    if share.get(Category.ACTIVATIONS.value, 0) >= 0.3 or pm.stage == Stage.FORWARD.value:
+        tips.append(
+            f"Activations saved for backward hold {format_bytes(pm.categories.get('activations', 0))}: turn on "
+            "gradient checkpointing, lower the micro-batch (keep the effective batch with accumulate_grad_batches), "
+            "or shorten the sequence."
+        )
+    if share.get(Category.OPTIMIZER_STATE.value, 0) >= 0.3 or pm.stage == Stage.OPTIMIZER_STEP.value:
+        tips.append(
+            f"Optimizer state holds {format_bytes(pm.categories.get('optimizer_state', 0))}: an 8-bit or "
+            "factored optimizer, a sharded strategy (FSDP / DeepSpeed ZeRO) or fewer trainable parameters "
+            "(LoRA) lowers it; foreach=False lowers the optimizer step's temporaries."
+        )
+    if pm.categories.get(Category.GRADIENTS.value, 0) and pm.stage in (Stage.FORWARD.value, Stage.BACKWARD.value):
+        tips.append(
+            f"Gradients ({format_bytes(pm.categories['gradients'])}) are alive during this step's "
+            f"{'forward' if pm.stage == Stage.FORWARD.value else 'backward'}: Lightning zeroes them after the forward."
+        )
+    if pm.reserved_bytes > pm.allocated_bytes * 1.3 and pm.reserved_bytes > 0:
+        tips.append(
+            f"Reserved ({format_bytes(pm.reserved_bytes)}) exceeds allocated ({format_bytes(pm.allocated_bytes)}) by "
+            f"{(pm.reserved_bytes / max(1, pm.allocated_bytes) - 1):.0%}: fragmentation; try "
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True."
+        )
+    if not tips:
+        tips.append("Lower the micro-batch size or use a precision with fewer bytes per value (bf16-mixed).")
+    return tips
+
+
+def render_post_mortem(pm: PostMortem) -> str:
+    lines = [
+        f"MemTrace post-mortem: out of memory on {pm.device} (rank {pm.rank})",
+        "",
+        f"step:          {pm.step} (epoch {pm.epoch}, batch_idx {pm.batch_idx})",
+        f"died in:       {_stage_text(pm.stage)} [phase: {pm.stage}]",
+        f"requested:     {format_bytes_exact(pm.requested_bytes) if pm.requested_bytes is not None else 'unknown'}",
+        f"allocated:     {format_bytes_exact(pm.allocated_bytes)}",
+        f"reserved:      {format_bytes_exact(pm.reserved_bytes)}",
+    ]
+    if pm.device_free_bytes is not None:
+        lines.append(f"device free:   {format_bytes_exact(pm.device_free_bytes)}")
+    lines.append(f"error:         {pm.exception_type}: {pm.message}")
+    if pm.failing_frames:
+        lines.append(f"failed at:     {format_frame(user_frame(pm.failing_frames))}")
+    lines += ["", "live memory by category:"]
+    for category in Category:
+        value = pm.categories.get(category.value, 0)
+        lines.append(f"  {category.value:<16} {format_bytes(value):>12}  ({value:,} B)")
+    lines += ["", f"{len(pm.largest)} largest live allocations:"]
+    for index, block in enumerate(pm.largest, 1):
+        where = format_frame(user_frame(block.frames)) if block.frames else "<no stack recorded>"
+        made = f" [{block.metadata}]" if block.metadata else ""
+        category = f" {block.category}" if block.category else ""
+        lines.append(f"  {index:>2}. {format_bytes(block.nbytes):>12}  ({block.nbytes:,} B){category}{made}  {where}")
+    lines += ["", "what to change:"]
+    lines += [f"  - {tip}" for tip in advice(pm)]
+    return "\n".join(lines) + "\n"
+
+
+def largest_blocks_from_snapshot(snapshot: dict[str, Any], limit: int = 10) -> list[LiveBlock]:
+    """The largest active blocks of a torch-format snapshot."""
+    blocks = []
+    for segment in snapshot.get("segments", []) or []:
+        for block in segment.get("blocks", []) or []:
+            if block.get("state") == "active_allocated":
+                blocks.append(
+                    LiveBlock(
+                        nbytes=int(block.get("requested_size") or block.get("size") or 0),
+                        frames=list(block.get("frames") or []),
+                        metadata=str(block.get("user_metadata", "") or ""),
+                        category=str(block.get("category", "") or ""),
+                    )
+                )
+    blocks.sort(key=lambda b: b.nbytes, reverse=True)
+    return blocks[:limit]

@@ -1,0 +1,78 @@
+"""Storage-level helpers: MemTrace counts memory per storage, so views and tied weights count once."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+def storage_key(tensor: Tensor) -> tuple[int, torch.UntypedStorage] | None:
+    """The identity of a tensor's storage (its C++ object) and the storage, or None for tensors without one."""
+    try:
+        storage = tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError, AttributeError):
+        # Tensor subclasses (DTensor, sparse, nested) may have no plain storage.
+        return None
+    return storage._cdata, storage
+
+
+def iter_tensors(obj: Any, _depth: int = 0) -> Iterator[Tensor]:
+    """Every tensor inside nested containers (dicts, lists, tuples, sets, dataclasses, mappings such as BatchEncoding)."""
+    if _depth > 32:
+        return
+    if isinstance(obj, Tensor):
+        yield obj
+    elif isinstance(obj, dict) or (hasattr(obj, "items") and hasattr(obj, "keys") and not isinstance(obj, type)):
+        try:
+            values = list(obj.values())
+        except Exception:
+            return
+        for value in values:
+            yield from iter_tensors(value, _depth + 1)
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        for value in obj:
+            yield from iter_tensors(value, _depth + 1)
+    elif hasattr(obj, "__dataclass_fields__"):
+        for name in obj.__dataclass_fields__:
+            yield from iter_tensors(getattr(obj, name, None), _depth + 1)
+
+
+def unique_storages(tensors: Iterable[Tensor], device: torch.device | None = None) -> dict[int, torch.UntypedStorage]:
+    """Storages of the tensors, deduplicated, optionally only those on ``device``."""
+    out: dict[int, torch.UntypedStorage] = {}
+    for tensor in tensors:
+        if device is not None and not same_device(tensor.device, device):
+            continue
+        found = storage_key(tensor)
+        if found is not None:
+            out.setdefault(found[0], found[1])
+    return out
+
+
+def unique_storage_bytes(tensors: Iterable[Tensor], device: torch.device | None = None) -> int:
+    """Bytes of the distinct storages behind the tensors (a tied weight counts once)."""
+    return sum(st.nbytes() for st in unique_storages(tensors, device).values())
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
+    if a.type != b.type:
+        return False
+    if a.type == "cpu":
+        return True
+    return (a.index or 0) == (b.index or 0)
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> Iterator[Tensor]:
+    """Tensors held in an optimizer's state, whatever its layout (nested dicts and lists are walked)."""
+    state = getattr(optimizer, "state", None)
+    if state is None:
+        return
+    try:
+        values = list(state.values())
+    except Exception:
+        return
+    for value in values:
+        yield from iter_tensors(value)

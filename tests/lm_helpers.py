@@ -1,0 +1,153 @@
+"""Small Lightning modules for the tests: a tiny causal LM from config, an MLP, manual and two-optimizer variants."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+import lightning.pytorch as pl
+from lightning_memtrace.models import TINY_QWEN2_CONFIG, build_causal_lm
+
+
+class RandomTokens(Dataset):
+    def __init__(self, n: int, seq_len: int, vocab: int, seed: int = 0) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.data = torch.randint(0, vocab, (n, seq_len), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.data[index]}
+
+
+class TinyLM(pl.LightningModule):
+    def __init__(
+        self,
+        batch_size: int = 4,
+        seq_len: int = 64,
+        gradient_checkpointing: bool = False,
+        lr: float = 1e-3,
+        n_train: int = 64,
+        n_val: int = 8,
+    ) -> None:
+        super().__init__()
+        self.model = build_causal_lm(TINY_QWEN2_CONFIG)
+        if gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.model.config.use_cache = False
+        self.batch_size, self.seq_len, self.lr = batch_size, seq_len, lr
+        self.n_train, self.n_val = n_train, n_val
+
+    def training_step(self, batch, batch_idx):
+        return self.model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+
+    def validation_step(self, batch, batch_idx):
+        loss = self.model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+        self.log("val_loss", loss)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+    def train_dataloader(self):
+        vocab = self.model.config.vocab_size
+        return DataLoader(RandomTokens(self.n_train, self.seq_len, vocab), batch_size=self.batch_size)
+
+    def val_dataloader(self):
+        vocab = self.model.config.vocab_size
+        return DataLoader(RandomTokens(self.n_val, self.seq_len, vocab, seed=1), batch_size=self.batch_size)
+
+
+class MLP(pl.LightningModule):
+    def __init__(self, width: int = 128, batch_size: int = 16, manual: bool = False, fail_at: int | None = None,
+                 oom_at: int | None = None, optimizer: str = "adamw") -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(32, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 1))
+        self.automatic_optimization = not manual
+        self.batch_size, self.fail_at, self.oom_at, self.optimizer_name = batch_size, fail_at, oom_at, optimizer
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        if self.fail_at is not None and batch_idx == self.fail_at:
+            raise ValueError("boom from training_step")
+        x, y = batch
+        out = self(x)
+        if self.oom_at is not None and batch_idx == self.oom_at:
+            torch.empty(10**15, dtype=torch.uint8)
+        loss = nn.functional.mse_loss(out, y)
+        if not self.automatic_optimization:
+            opt = self.optimizers()
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+            return None
+        return loss
+
+    def configure_optimizers(self):
+        if self.optimizer_name == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        return DataLoader(TensorDataset(torch.randn(256, 32, generator=g), torch.randn(256, 1, generator=g)),
+                          batch_size=self.batch_size)
+
+    def val_dataloader(self):
+        g = torch.Generator().manual_seed(1)
+        return DataLoader(TensorDataset(torch.randn(32, 32, generator=g), torch.randn(32, 1, generator=g)),
+                          batch_size=self.batch_size)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self(x), y))
+
+
+class TwoOptimizers(pl.LightningModule):
+    """A GAN-like module: two sub-networks, two optimizers, manual optimization."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gen = nn.Linear(16, 32)
+        self.disc = nn.Linear(32, 1)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        opt_g, opt_d = self.optimizers()
+        fake = self.gen(x)
+        loss_d = self.disc(fake.detach()).pow(2).mean()
+        opt_d.zero_grad()
+        self.manual_backward(loss_d)
+        opt_d.step()
+        loss_g = (1 - self.disc(self.gen(x))).pow(2).mean()
+        opt_g.zero_grad()
+        self.manual_backward(loss_g)
+        opt_g.step()
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.gen.parameters(), lr=1e-3), torch.optim.SGD(self.disc.parameters(), lr=1e-2, momentum=0.9)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.randn(64, 16)), batch_size=8)
+
+
+def trainer(tmp_path, callbacks, **kwargs) -> pl.Trainer:
+    defaults = dict(
+        default_root_dir=str(tmp_path),
+        max_steps=3,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=callbacks,
+    )
+    defaults.update(kwargs)
+    return pl.Trainer(**defaults)
