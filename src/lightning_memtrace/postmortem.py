@@ -59,7 +59,7 @@ def advice(pm: PostMortem) -> list[str]:
     if pm.requested_bytes and pm.allocated_bytes and pm.requested_bytes > 4 * max(pm.allocated_bytes, 1):
         tips.append(
             f"The failed request alone ({format_bytes(pm.requested_bytes)}) is over 4x everything live "
-            f"({format_bytes(pm.allocated_bytes)}): look first at the line that asked for it (below); a shape or "
+            f"({format_bytes(pm.allocated_bytes)}): look first at the line that asked for it ('failed at' above); a shape or "
             "dtype there is likely wrong, or one tensor (logits of a large vocabulary?) should be chunked."
         )
     if share.get(Category.ACTIVATIONS.value, 0) >= 0.3 or pm.stage == Stage.FORWARD.value:
@@ -111,7 +111,14 @@ def render_post_mortem(pm: PostMortem) -> str:
         lines.append(f"  {category.value:<16} {format_bytes(value):>12}  ({value:,} B)")
     lines += ["", f"{len(pm.largest)} largest live allocations:"]
     for index, block in enumerate(pm.largest, 1):
-        where = format_frame(user_frame(block.frames)) if block.frames else "<no stack recorded>"
+        if block.frames:
+            where = format_frame(user_frame(block.frames))
+        elif not block.metadata and not pm.device.startswith("cuda"):
+            where = "<made before MemTrace started>"
+        elif pm.device.startswith("cuda"):
+            where = "<no stack: the allocator's history was not recording>"
+        else:
+            where = "<no stack recorded: smaller than frames_min_bytes outside the history window>"
         made = f" [{block.metadata}]" if block.metadata else ""
         category = f" {block.category}" if block.category else ""
         lines.append(f"  {index:>2}. {format_bytes(block.nbytes):>12}  ({block.nbytes:,} B){category}{made}  {where}")

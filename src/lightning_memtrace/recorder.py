@@ -145,6 +145,7 @@ class MemoryRecorder:
         self._stepped_this_batch = False
         self._take_rows = True
         self._step_hooks: list[Any] = []
+        self._step_depth: dict[int, int] = {}
         self._csv: PhaseCsvWriter | None = None
         self._outputs_ok = self.output_dir is not None
         self._warned: set[str] = set()
@@ -212,10 +213,16 @@ class MemoryRecorder:
 
     def _hook_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         register = getattr(optimizer, "register_step_post_hook", None)
-        if register is None:
-            self._warn("hooks", f"{type(optimizer).__name__} has no register_step_post_hook: no after_optimizer_step rows")
+        register_pre = getattr(optimizer, "register_step_pre_hook", None)
+        if register is None or register_pre is None:
+            self._warn("hooks", f"{type(optimizer).__name__} has no step hooks: no after_optimizer_step rows")
             return
+        self._step_hooks.append(register_pre(self._before_optimizer_step))
         self._step_hooks.append(register(self._after_optimizer_step))
+
+    def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        # A subclass whose step() calls super().step() fires the hooks twice, nested: count the depth.
+        self._step_depth[id(optimizer)] = self._step_depth.get(id(optimizer), 0) + 1
 
     # ------------------------------------------------------------------------------------------------ phases
     def begin_batch(self, batch: Any = None, step: int = 0, epoch: int = 0, batch_idx: int = 0, training: bool = True) -> None:
@@ -254,6 +261,10 @@ class MemoryRecorder:
         self._record(Phase.AFTER_BACKWARD)
 
     def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        depth = self._step_depth.get(id(optimizer), 1) - 1
+        self._step_depth[id(optimizer)] = max(0, depth)
+        if depth > 0:
+            return
         try:
             self._stepped_this_batch = True
             self._record(Phase.AFTER_OPTIMIZER_STEP)

@@ -22,7 +22,6 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_memtrace.frames import Frame, capture_frames
-from lightning_memtrace.storages import same_device
 
 _ALLOC, _FREE, _OOM = 0, 1, 2
 _RESIZING_OPS = frozenset({"resize_", "resize_as_", "set_", "resize_storage_bytes_"})
@@ -83,6 +82,11 @@ class OutOfMemoryEvent:
 
 
 class _TrackerMode(TorchDispatchMode):
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # The dynamo-disable wrapper costs several microseconds per operator; this handler never runs compiled code.
+        return False
+
     def __init__(self, tracker: AllocationTracker) -> None:
         super().__init__()
         self.tracker = tracker
@@ -90,21 +94,25 @@ class _TrackerMode(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         tracker = self.tracker
         try:
-            out = func(*args, **(kwargs or {}))
+            out = func(*args, **kwargs) if kwargs else func(*args)
         except RuntimeError as error:
             if is_out_of_memory(error):
                 tracker._record_oom(error)
             raise
-        fresh = tracker._fresh_returns.get(func)
-        if fresh is None:
-            fresh = tracker._fresh_return_indices(func)
+        plan = tracker._plans.get(func)
+        if plan is None:
+            plan = tracker._plan(func)
+        fresh, resizing = plan
         if fresh:
-            if len(fresh) == 1 and fresh[0] == 0 and not isinstance(out, tuple):
-                tracker._seen(out)
-            else:
-                for index in fresh:
-                    tracker._seen(out[index])
-        if func.overloadpacket.__name__ in _RESIZING_OPS:
+            if isinstance(out, Tensor):
+                tracker._track_storage(out.untyped_storage())
+            elif isinstance(out, (list, tuple)):
+                if len(fresh) == 1 and isinstance(out, list):
+                    tracker._seen(out)
+                else:
+                    for index in fresh:
+                        tracker._seen(out[index])
+        if resizing:
             tracker._refresh_sizes(args)
         return out
 
@@ -140,7 +148,9 @@ class AllocationTracker:
         self._live: dict[int, LiveAllocation] = {}
         self._live_addrs: dict[int, int] = {}
         self._events: deque[tuple] = deque(maxlen=max(1, int(max_entries)))
-        self._fresh_returns: dict[Any, tuple[int, ...]] = {}
+        self._plans: dict[Any, tuple[tuple[int, ...], bool]] = {}
+        self._device_type = self.device.type
+        self._device_index = (self.device.index or 0) if self.device.type not in ("cpu", "meta") else None
         self._mode: _TrackerMode | None = None
         self._fake_addr = 1 << 44
 
@@ -190,14 +200,16 @@ class AllocationTracker:
         if entry is not None:
             entry.category = category
 
-    def _fresh_return_indices(self, func: Any) -> tuple[int, ...]:
+    def _plan(self, func: Any) -> tuple[tuple[int, ...], bool]:
+        """Which outputs of an operator are new storages (no alias in its schema), and whether it resizes one."""
         try:
             returns = func._schema.returns
             fresh = tuple(i for i, ret in enumerate(returns) if ret.alias_info is None)
         except Exception:
             fresh = (0,)
-        self._fresh_returns[func] = fresh
-        return fresh
+        plan = (fresh, func.overloadpacket.__name__ in _RESIZING_OPS)
+        self._plans[func] = plan
+        return plan
 
     def _seen(self, out: Any) -> None:
         if isinstance(out, Tensor):
@@ -211,7 +223,8 @@ class AllocationTracker:
         key = storage._cdata
         if key in self._live:
             return False
-        if not same_device(storage.device, self.device):
+        device = storage.device
+        if device.type != self._device_type or (self._device_index is not None and device.index != self._device_index):
             return False
         nbytes = storage.nbytes()
         if nbytes == 0:

@@ -1,0 +1,159 @@
+"""Step time with MemTrace divided by step time without, measured side by side in one run.
+
+Usage: python benchmarks/overhead.py [--steps 30] [--rounds 3] [--batch-size 8] [--seq-len 128]
+
+Runs the tiny Qwen2 (3.4M parameters, from config) with AdamW under Lightning on this machine's device, interleaving
+the variants round by round so that machine noise hits them alike, and prints the median step time of each and its
+ratio to the plain run:
+
+- plain: no callback
+- memtrace_counters: MemTrace(track_allocations=False, history=False) (CPU: categories only; CUDA: allocator counters)
+- memtrace: MemTrace() defaults (CPU: storage tracker on, history window of 2 steps)
+- torch_memtracker: torch.distributed._tools.mem_tracker.MemTracker around the step (reference)
+- profiler_memory: torch.profiler with profile_memory=True, record_shapes, with_stack (reference)
+
+Targets (issue 2): CPU <= 1.05 with the tracker off, <= 1.30 with it on; GPU <= 1.02 counters only, <= 1.05 history on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+from tempfile import TemporaryDirectory
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+import lightning.pytorch as pl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from lightning_memtrace import MemTrace  # noqa: E402
+from lightning_memtrace.models import TINY_QWEN2_CONFIG, build_causal_lm  # noqa: E402
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+class Tokens(Dataset):
+    def __init__(self, n: int, seq_len: int, vocab: int) -> None:
+        self.data = torch.randint(0, vocab, (n, seq_len), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int):
+        return {"input_ids": self.data[i]}
+
+
+class StepTimer(pl.Callback):
+    def __init__(self, wrap=None) -> None:
+        self.times: list[float] = []
+        self.wrap = wrap
+        self._ctx = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.wrap is not None:
+            self._ctx = self.wrap(pl_module)
+            self._ctx.__enter__()
+        self._t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.times.append(time.perf_counter() - self._t0)
+        if self._ctx is not None:
+            self._ctx.__exit__(None, None, None)
+            self._ctx = None
+
+
+class LM(pl.LightningModule):
+    def __init__(self, batch_size: int, seq_len: int, steps: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = build_causal_lm(TINY_QWEN2_CONFIG)
+        self.batch_size, self.seq_len, self.steps = batch_size, seq_len, steps
+
+    def training_step(self, batch, batch_idx):
+        return self.model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    def train_dataloader(self):
+        return DataLoader(Tokens(self.steps * self.batch_size, self.seq_len, 2048), batch_size=self.batch_size)
+
+
+def memtracker_ctx(module):
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(module)
+    return tracker
+
+
+def profiler_ctx(module):
+    return torch.profiler.profile(profile_memory=True, record_shapes=True, with_stack=True)
+
+
+def run(variant: str, args, root: str) -> list[float]:
+    callbacks: list[pl.Callback] = []
+    wrap = None
+    if variant == "memtrace_counters":
+        callbacks.append(MemTrace(track_allocations=False, history=False, log_metrics=False))
+    elif variant == "memtrace":
+        callbacks.append(MemTrace(log_metrics=False))
+    elif variant == "torch_memtracker":
+        wrap = memtracker_ctx
+    elif variant == "profiler_memory":
+        wrap = profiler_ctx
+    timer = StepTimer(wrap)
+    trainer = pl.Trainer(
+        default_root_dir=root, max_steps=args.steps, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        callbacks=[*callbacks, timer], accelerator="auto", devices=1,
+    )
+    trainer.fit(LM(args.batch_size, args.seq_len, args.steps))
+    return timer.times[args.warmup:]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--variants", default="plain,memtrace_counters,memtrace,torch_memtracker,profiler_memory")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    import logging
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    variants = args.variants.split(",")
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    with TemporaryDirectory() as root:
+        for round_index in range(args.rounds):
+            for variant in variants:
+                try:
+                    times[variant].extend(run(variant, args, root))
+                except Exception as error:  # a reference tool that does not run here
+                    print(f"{variant}: failed ({type(error).__name__}: {error})", file=sys.stderr)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    base = statistics.median(times["plain"])
+    print(f"device={device} torch={torch.__version__} steps/round={args.steps - args.warmup} rounds={args.rounds} "
+          f"batch={args.batch_size}x{args.seq_len}")
+    print(f"{'variant':<20}{'median step (ms)':>18}{'ratio vs plain':>16}")
+    for variant in variants:
+        if not times[variant]:
+            print(f"{variant:<20}{'n/a':>18}{'n/a':>16}")
+            continue
+        median = statistics.median(times[variant])
+        print(f"{variant:<20}{median * 1000:>18.2f}{median / base:>16.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""MemTrace on a real CUDA device: allocator counters, the snapshot with phase metadata, a real CUDA OOM.
+
+Skipped without CUDA. Run with ``make test-gpu`` on a machine with a GPU.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+from lightning_memtrace import MemTrace, load_phases
+from lightning_memtrace.storages import unique_storage_bytes
+from lm_helpers import MLP, TinyLM, trainer
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _gpu_trainer(tmp_path, callbacks, **kwargs):
+    return trainer(tmp_path, callbacks, accelerator="gpu", devices=1, **kwargs)
+
+
+def test_allocator_counters_and_categories(tmp_path):
+    callback = MemTrace()
+    module = TinyLM(batch_size=4, seq_len=64)
+    _gpu_trainer(tmp_path, [callback], max_steps=3).fit(module)
+    phases = load_phases(callback.output_dir)
+    assert len(phases) == 15
+    pbytes = unique_storage_bytes(module.parameters())
+    assert (phases.parameters_bytes == pbytes).all()
+    first = phases[(phases.step == 0) & (phases.phase == "after_optimizer_step")].iloc[0]
+    # AdamW's `step` scalars stay on the CPU (not capturable/fused): exactly 2x the parameters on the device
+    assert first.optimizer_state_bytes == 2 * pbytes
+    assert first.gradients_bytes == pbytes
+    assert (phases.reserved_bytes >= phases.allocated_bytes).all()
+    assert (phases.peak_bytes >= phases.allocated_bytes).all()
+    # the caching allocator rounds blocks to 512 B: allocated is at least the named categories
+    named = phases[["parameters_bytes", "gradients_bytes", "optimizer_state_bytes", "activations_bytes", "inputs_bytes"]].sum(axis=1)
+    assert (phases.allocated_bytes >= named).all()
+    forward = phases[phases.phase == "after_forward"]
+    assert (forward.activations_bytes > 1_000_000).all()
+    assert (phases[phases.phase == "after_backward"].activations_bytes == 0).all()
+
+
+def test_cuda_snapshot_has_phase_metadata(tmp_path):
+    callback = MemTrace()
+    _gpu_trainer(tmp_path, [callback], max_steps=4).fit(TinyLM(batch_size=4, seq_len=64))
+    path = callback.output_dir / "snapshot_rank0_steps1-2.pickle"
+    with open(path, "rb") as handle:
+        snapshot = pickle.load(handle)
+    trace = snapshot["device_traces"][0]
+    allocs = [e for e in trace if e["action"] == "alloc"]
+    assert len(allocs) > 100
+    assert all(e["frames"] for e in allocs)
+    if hasattr(torch.cuda.memory, "_set_memory_metadata"):
+        stages = {e.get("user_metadata", "").split(" ")[0] for e in allocs}
+        assert {"phase=forward", "phase=backward", "phase=optimizer_step"} <= stages
+    assert snapshot["memtrace"]["device"].startswith("cuda")
+    from torch.cuda import _memory_viz
+
+    _memory_viz.segsum(snapshot)
+    _memory_viz.trace(snapshot)
+    # history recording is off again after the window
+    later = torch.cuda.memory._snapshot()
+    assert not later["device_traces"] or len(later["device_traces"][0]) <= len(trace)
+
+
+def test_real_cuda_oom_post_mortem(tmp_path):
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(0.5)
+    try:
+        class Hungry(MLP):
+            def training_step(self, batch, batch_idx):
+                loss = super().training_step(batch, batch_idx)
+                if batch_idx == 1:
+                    torch.empty(int(total * 0.6), dtype=torch.uint8, device=self.device)
+                return loss
+
+        callback = MemTrace()
+        with pytest.raises(torch.OutOfMemoryError):
+            _gpu_trainer(tmp_path, [callback], max_steps=3).fit(Hungry())
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    text = (callback.output_dir / "oom_rank0_step1.txt").read_text()
+    assert "out of memory on cuda" in text
+    assert "died in:       the forward pass" in text
+    requested = next(line for line in text.splitlines() if line.startswith("requested:"))
+    assert "unknown" not in requested
+    with open(callback.output_dir / "oom_rank0_step1.pickle", "rb") as handle:
+        snapshot = pickle.load(handle)
+    assert snapshot["segments"]
+    assert snapshot["memtrace"]["post_mortem"]["requested_bytes"] >= int(total * 0.6)

@@ -1,0 +1,176 @@
+"""Accumulation, manual optimization, two optimizers, loggers, resume, and MemTrace's own failures."""
+
+from __future__ import annotations
+
+import csv
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning_memtrace import MemTrace, MemTraceWarning, load_phases
+from lightning_memtrace.storages import unique_storage_bytes
+from lm_helpers import MLP, TwoOptimizers, trainer
+
+
+def _param_bytes(module) -> int:
+    return unique_storage_bytes(module.parameters())
+
+
+def test_accumulation_two_batches_per_step(tmp_path):
+    callback = MemTrace()
+    module = MLP()
+    trainer(tmp_path, [callback], max_steps=2, accumulate_grad_batches=2).fit(module)
+    phases = load_phases(callback.output_dir)
+    assert list(phases.batch_idx.unique()) == [0, 1, 2, 3]
+    per_batch = phases.groupby("batch_idx").phase.apply(list)
+    # the accumulating batch has no optimizer step row, the stepping batch has one
+    assert per_batch[0] == ["batch_start", "after_forward", "after_backward", "batch_end"]
+    assert per_batch[1] == ["batch_start", "after_forward", "after_backward", "after_optimizer_step", "batch_end"]
+    assert per_batch[2] == per_batch[0] and per_batch[3] == per_batch[1]
+    # both micro-batches of a step carry the step at which they started
+    assert list(phases.groupby("batch_idx").step.first()) == [0, 0, 1, 1]
+    # gradients accumulate into the same storages: after the second backward they are still one copy
+    grads = phases[phases.phase == "after_backward"].gradients_bytes
+    assert (grads == _param_bytes(module)).all()
+    # step 1's first micro-batch starts with step 0's gradients, which Lightning zeroes after its forward
+    first_of_step1 = phases[(phases.batch_idx == 2)]
+    assert first_of_step1.iloc[0].gradients_bytes == _param_bytes(module)
+
+
+def test_manual_optimization(tmp_path):
+    callback = MemTrace()
+    module = MLP(manual=True)
+    trainer(tmp_path, [callback], max_steps=3).fit(module)
+    phases = load_phases(callback.output_dir)
+    assert len(phases) == 3 * 5
+    for _, rows in phases.groupby("step"):
+        assert list(rows.phase) == ["batch_start", "after_forward", "after_backward", "after_optimizer_step", "batch_end"]
+    pbytes = _param_bytes(module)
+    step_bytes = len(list(module.parameters())) * 4
+    after_step = phases[phases.phase == "after_optimizer_step"]
+    assert (after_step.optimizer_state_bytes == 2 * pbytes + step_bytes).all()
+    assert (after_step.gradients_bytes == pbytes).all()
+    # the user's zero_grad ran before backward: no gradients at after_forward (it fires before zero_grad? no:
+    # on_before_backward fires after the user's zero_grad, so gradients are gone)
+    assert (phases[phases.phase == "after_forward"].gradients_bytes == 0).all()
+
+
+def test_two_optimizers(tmp_path):
+    callback = MemTrace()
+    module = TwoOptimizers()
+    trainer(tmp_path, [callback], max_steps=4).fit(module)
+    phases = load_phases(callback.output_dir)
+    # Lightning counts each optimizer's step: 4 global steps = 2 batches with two updates each
+    assert phases.batch_idx.nunique() == 2
+    first = phases[phases.batch_idx == 0]
+    assert list(first.phase) == [
+        "batch_start", "after_forward", "after_backward", "after_optimizer_step",
+        "after_backward", "after_optimizer_step", "batch_end",
+    ]
+    gen_bytes = unique_storage_bytes(module.gen.parameters())
+    disc_bytes = unique_storage_bytes(module.disc.parameters())
+    # Adam on the generator: 2 states + 2 step scalars; SGD with momentum on the discriminator: 1 buffer
+    final = phases.iloc[-1]
+    assert final.optimizer_state_bytes == 2 * gen_bytes + 2 * 4 + disc_bytes
+    assert first.iloc[3].optimizer_state_bytes == disc_bytes  # after the discriminator's first step only
+
+
+def test_metrics_reach_every_logger(tmp_path):
+    csv_logger = CSVLogger(str(tmp_path), name="csv")
+    tb_logger = TensorBoardLogger(str(tmp_path), name="tb")
+    callback = MemTrace()
+    trainer(tmp_path, [callback], max_steps=2, logger=[tb_logger, csv_logger]).fit(MLP())
+    # files go into the first logger's log_dir
+    assert callback.output_dir == Path(tb_logger.log_dir) / "memtrace"
+    phases = load_phases(callback.output_dir)
+    with open(Path(csv_logger.log_dir) / "metrics.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    key = "memtrace/after_optimizer_step/optimizer_state"
+    logged = [float(r[key]) for r in rows if r.get(key)]
+    expected = phases[phases.phase == "after_optimizer_step"].optimizer_state_bytes / 1024**2
+    assert logged == pytest.approx(list(expected))
+    assert {"memtrace/batch_start/allocated", "memtrace/after_forward/activations", "memtrace/after_backward/peak"} <= set(rows[0])
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(tb_logger.log_dir)
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    assert "memtrace/after_forward/allocated" in tags
+    values = [e.value for e in events.Scalars("memtrace/after_backward/gradients")]
+    assert values == pytest.approx([unique_storage_bytes(MLP().parameters()) / 1024**2] * 2)
+
+
+def test_unwritable_directory_one_warning_and_training_finishes(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    callback = MemTrace(dirpath=blocker / "memtrace")
+    fit_trainer = trainer(tmp_path, [callback], max_steps=3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit_trainer.fit(MLP())
+    ours = [w for w in caught if issubclass(w.category, MemTraceWarning) or "MemTrace" in str(w.message)]
+    assert len(ours) == 1, [str(w.message) for w in ours]
+    assert "could not write" in str(ours[0].message)
+    assert fit_trainer.global_step == 3
+    assert len(callback.recorder.records) == 15 if callback.recorder else True
+
+
+def test_training_exception_propagates_unchanged(tmp_path):
+    callback = MemTrace()
+    module = MLP(fail_at=1)
+    with pytest.raises(ValueError, match="boom from training_step"):
+        trainer(tmp_path, [callback], max_steps=3).fit(module)
+    assert not list(callback.output_dir.glob("oom_*"))  # not an OOM: no post-mortem
+    phases = load_phases(callback.output_dir)
+    assert list(phases.step.unique()) == [0, 1]
+    # hooks are gone: a later forward/step outside the trainer is not measured
+    assert callback.recorder is None or not callback.recorder.started
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    assert _get_current_dispatch_mode() is None
+
+
+def test_odd_optimizer_state_is_tolerated(tmp_path):
+    class OddOptimizer(torch.optim.SGD):
+        def step(self, closure=None):
+            loss = super().step(closure)
+            for p in self.param_groups[0]["params"]:
+                self.state[p]["notes"] = ["a", {"nested": torch.zeros(3)}, None, 1.5]
+            return loss
+
+    class OddModule(MLP):
+        def configure_optimizers(self):
+            return OddOptimizer(self.parameters(), lr=0.01)
+
+    callback = MemTrace()
+    module = OddModule()
+    trainer(tmp_path, [callback], max_steps=2).fit(module)
+    phases = load_phases(callback.output_dir)
+    n = len(list(module.parameters()))
+    assert phases[phases.phase == "after_optimizer_step"].optimizer_state_bytes.tolist() == [n * 12, n * 12]
+
+
+def test_resume_continues_steps_and_appends(tmp_path):
+    callback = MemTrace(dirpath=tmp_path / "mt")
+    first = trainer(tmp_path, [callback], max_steps=2, enable_checkpointing=False)
+    first.fit(MLP())
+    ckpt = tmp_path / "c.ckpt"
+    first.save_checkpoint(ckpt)
+    saved = torch.load(ckpt, weights_only=False)["callbacks"]
+    state = next(v for k, v in saved.items() if k.startswith("MemTrace"))
+    assert state["rows"] == 10 and state["last_step"] == 1
+
+    resumed = MemTrace(dirpath=tmp_path / "mt")
+    trainer(tmp_path, [resumed], max_steps=4).fit(MLP(), ckpt_path=str(ckpt))
+    phases = load_phases(tmp_path / "mt")
+    assert list(phases.groupby("step").size()) == [5, 5, 5, 5]
+    assert list(phases.step.unique()) == [0, 1, 2, 3]
+    with open(tmp_path / "mt" / "phases_rank0.csv") as handle:
+        assert sum(1 for line in handle if line.startswith("step,")) == 1
+    # each fit records its own window: steps 1-2 of the first (cut at 1), 3 of the second
+    names = sorted(p.name for p in (tmp_path / "mt").glob("snapshot_*.pickle"))
+    assert names == ["snapshot_rank0_steps1-1.pickle", "snapshot_rank0_steps3-3.pickle"]
