@@ -44,9 +44,13 @@ def test_snapshot_passes_torch_readers_and_adds_up(tmp_path):
     html = _memory_viz.trace_plot(snapshot)
     assert "alloc" in html or len(html) > 1000
 
+    # MemoryViz.js (pytorch.org/memory_viz) unpickles protocols 2-4 only
+    assert path.read_bytes()[:2] == b"\x80\x04"
     trace = snapshot["device_traces"][0]
     actions = {e["action"] for e in trace}
-    assert actions == {"alloc", "free_requested", "free_completed"}
+    assert actions == {"alloc", "free_requested", "free_completed", "snapshot"}
+    # MemoryViz.js crashes on categories without "unknown" among them (a typo in its code): it must be there
+    assert trace[-1]["action"] == "snapshot" and trace[-1]["category"] == "unknown"
     assert all({"addr", "size", "time_us", "frames", "stream"} <= set(e) for e in trace)
     assert all(e["frames"] for e in trace if e["action"] == "alloc")  # every allocation in the window has a stack
     assert any(f["filename"] == __file__ for e in trace if e["action"] == "alloc" for f in e["frames"])
@@ -66,6 +70,7 @@ def test_snapshot_passes_torch_readers_and_adds_up(tmp_path):
     assert meta["categories"]["parameters"] == params
     assert meta["categories"]["optimizer_state"] == 2 * params + 4 * 4
     categories = {b["category"] for s in snapshot["segments"] for b in s["blocks"]}
+    assert categories <= {"parameters", "gradients", "optimizer_state", "inputs", "activations", "unknown"}
     assert {"parameters", "optimizer_state"} <= categories
     alloc_categories = {e["category"] for e in trace if e["action"] == "alloc"}
     assert {"activations", "gradients", "inputs"} <= alloc_categories

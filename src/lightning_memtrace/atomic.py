@@ -33,4 +33,5 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
 
 
 def atomic_write_pickle(path: str | os.PathLike, obj: Any) -> Path:
-    return atomic_write_bytes(path, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+    # Protocol 4: the unpickler inside pytorch.org/memory_viz (MemoryViz.js) accepts protocols 2 to 4 only.
+    return atomic_write_bytes(path, pickle.dumps(obj, protocol=4))

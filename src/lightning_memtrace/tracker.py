@@ -24,6 +24,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lightning_memtrace.frames import Frame, capture_frames
 
 _ALLOC, _FREE, _OOM = 0, 1, 2
+#: The category of an allocation that is none of parameters, gradients, optimizer state, inputs or activations.
+UNKNOWN_CATEGORY = "unknown"
 _RESIZING_OPS = frozenset({"resize_", "resize_as_", "set_", "resize_storage_bytes_"})
 _CPU_OOM_PATTERN = re.compile(r"tried to allocate (\d+) bytes")
 _CUDA_OOM_PATTERN = re.compile(r"Tried to allocate ([\d.]+) (B|KiB|MiB|GiB|TiB)")
@@ -320,7 +322,7 @@ class AllocationTracker:
                 "requested_size": entry.nbytes,
                 "state": "active_allocated",
                 "frames": entry.frames or [],
-                "category": entry.category or "",
+                "category": entry.category or UNKNOWN_CATEGORY,
                 "user_metadata": entry.metadata,
             }
             segments.append(
@@ -365,6 +367,22 @@ class AllocationTracker:
                         "frames": oom.frames,
                     }
                 )
+        if trace:
+            # MemoryViz.js colours allocations by `category` and then appends "unknown" to its category list with a
+            # typo (`snapshot.categores`) that throws unless "unknown" is already listed: make sure it is, with a
+            # `snapshot` marker event, which every reader treats as a no-op.
+            trace.append(
+                {
+                    "action": "snapshot",
+                    "addr": 0,
+                    "size": 0,
+                    "stream": 0,
+                    "time_us": time.time_ns() // 1000,
+                    "user_metadata": self.metadata,
+                    "category": UNKNOWN_CATEGORY,
+                    "frames": [],
+                }
+            )
         device_traces: list[list[dict[str, Any]]] = [[] for _ in range(device_index + 1)]
         device_traces[device_index] = trace
         return {"segments": segments, "device_traces": device_traces, "allocator_settings": {}}
@@ -378,6 +396,6 @@ class AllocationTracker:
             "stream": 0,
             "time_us": time_us,
             "user_metadata": metadata,
-            "category": entry.category or "",
+            "category": entry.category or UNKNOWN_CATEGORY,
             "frames": frames,
         }
