@@ -23,7 +23,7 @@ class SavedTensorsRecorder:
     """
 
     def __init__(self, device: torch.device) -> None:
-        self.device = device
+        self.device = normalize_device(device)
         self._saved: dict[int, weakref.ref] = {}
         self._hooks: Any = None
         self.unavailable_reason: str | None = None
@@ -37,7 +37,7 @@ class SavedTensorsRecorder:
 
     def _pack(self, tensor: Tensor) -> Tensor:
         try:
-            if same_device(tensor.device, self.device):
+            if tensor.device == self.device:
                 storage = tensor.untyped_storage()
                 key = storage._cdata
                 ref = self._saved.get(key)
@@ -91,14 +91,34 @@ class CategoryCounter:
     """
 
     def __init__(self, device: torch.device, model: nn.Module | None = None, optimizers: Sequence[Any] = ()) -> None:
-        self.device = device
+        self.device = normalize_device(device)
         self.model = model
         self.optimizers: list[Any] = list(optimizers)
+        self._params: list[Tensor] | None = None
+
+    def refresh(self) -> None:
+        """Forget the cached parameter list (called once per batch: modules may swap their parameters)."""
+        self._params = None
+
+    def parameters(self) -> list[Tensor]:
+        if self._params is None:
+            seen: set[int] = set()
+            params: list[Tensor] = []
+            candidates: list[Any] = list(self.model.parameters()) if self.model is not None else []
+            for optimizer in self.optimizers:
+                for group in getattr(optimizer, "param_groups", []):
+                    candidates.extend(group.get("params", []))
+            for tensor in candidates:
+                if isinstance(tensor, Tensor) and id(tensor) not in seen:
+                    seen.add(id(tensor))
+                    params.append(tensor)
+            self._params = params
+        return self._params
 
     def _collect(self, tensors: Iterable[Tensor], into: dict[int, tuple[Category, torch.UntypedStorage]], category: Category) -> None:
         device = self.device
         for tensor in tensors:
-            if not isinstance(tensor, Tensor) or not same_device(tensor.device, device):
+            if not isinstance(tensor, Tensor) or tensor.device != device:
                 continue
             found = storage_key(tensor)
             if found is None:
@@ -112,17 +132,14 @@ class CategoryCounter:
     ) -> dict[int, tuple[Category, torch.UntypedStorage]]:
         """Map storage key -> (category, storage) for everything nameable now."""
         out: dict[int, tuple[Category, torch.UntypedStorage]] = {}
-        params: list[Tensor] = list(self.model.parameters()) if self.model is not None else []
-        for optimizer in self.optimizers:
-            for group in getattr(optimizer, "param_groups", []):
-                params.extend(p for p in group.get("params", []) if isinstance(p, Tensor))
+        params = self.parameters()
         self._collect(params, out, Category.PARAMETERS)
         self._collect((p.grad for p in params if p.grad is not None), out, Category.GRADIENTS)
         for optimizer in self.optimizers:
             self._collect(optimizer_state_tensors(optimizer), out, Category.OPTIMIZER_STATE)
         for category, storages in ((Category.INPUTS, inputs), (Category.ACTIVATIONS, saved)):
             for key, storage in (storages or {}).items():
-                if key not in out and same_device(storage.device, self.device):
+                if key not in out and storage.device == self.device:
                     out[key] = (category, storage)
         return out
 
@@ -132,6 +149,18 @@ class CategoryCounter:
         for category, storage in classified.values():
             totals[category] += storage.nbytes()
         return totals
+
+
+def normalize_device(device: torch.device | str) -> torch.device:
+    """``cuda`` -> ``cuda:<current>``, so that ``tensor.device == device`` compares exactly."""
+    device = torch.device(device)
+    if device.index is None and device.type not in ("cpu", "meta"):
+        try:
+            module = getattr(torch, device.type)
+            return torch.device(device.type, module.current_device())
+        except Exception:
+            return torch.device(device.type, 0)
+    return device
 
 
 def input_storages(batch: Any, device: torch.device) -> StorageMap:

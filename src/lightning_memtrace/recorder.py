@@ -32,7 +32,7 @@ from torch import nn
 
 from lightning_memtrace import cuda_history
 from lightning_memtrace.atomic import atomic_write_pickle, atomic_write_text
-from lightning_memtrace.categories import CategoryCounter, SavedTensorsRecorder, input_storages
+from lightning_memtrace.categories import CategoryCounter, SavedTensorsRecorder, input_storages, normalize_device
 from lightning_memtrace.counters import MemoryCounters, TrackerCounters, allocator_counters
 from lightning_memtrace.phases_csv import PhaseCsvWriter, phases_filename
 from lightning_memtrace.postmortem import LiveBlock, PostMortem, largest_blocks_from_snapshot, render_post_mortem
@@ -99,7 +99,7 @@ class MemoryRecorder:
         on_record: Callable[[PhaseRecord], None] | None = None,
     ) -> None:
         self.model = model
-        self.device = torch.device(device) if device is not None else _device_of(model)
+        self.device = normalize_device(device if device is not None else _device_of(model))
         self.rank = rank
         self.output_dir = Path(output_dir) if output_dir is not None else None
         self.history = history
@@ -208,6 +208,7 @@ class MemoryRecorder:
         for optimizer in optimizers:
             if optimizer not in self.categories.optimizers:
                 self.categories.optimizers.append(optimizer)
+                self.categories.refresh()
                 if self.started:
                     self._hook_optimizer(optimizer)
 
@@ -234,6 +235,7 @@ class MemoryRecorder:
         self._take_rows = self.step % self.every_n_steps == 0
         self.saved.pop()
         self.saved.clear()
+        self.categories.refresh()
         self._inputs = {
             key: weakref.ref(storage) for key, storage in input_storages(batch, self.device).items()
         } if batch is not None else {}
