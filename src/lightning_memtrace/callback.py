@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import torch
 from typing_extensions import override
 
 import lightning.pytorch as pl
@@ -22,10 +23,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_memtrace.recorder import MemoryRecorder
 from lightning_memtrace.tracker import is_out_of_memory
-from lightning_memtrace.types import COUNTERS, PhaseRecord
+from lightning_memtrace.types import COUNTERS, Phase, PhaseRecord
 from lightning_memtrace.units import MIB
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+TRAIN_PHASES = (Phase.BATCH_START, Phase.AFTER_FORWARD, Phase.AFTER_BACKWARD, Phase.AFTER_OPTIMIZER_STEP, Phase.BATCH_END)
 
 
 def _guarded(hook: _F) -> _F:
@@ -79,6 +81,9 @@ class MemTrace(Callback):
     ``memtrace/<phase>/<counter>`` for each phase above and each counter in ``allocated``, ``reserved``, ``peak``,
     ``parameters``, ``gradients``, ``optimizer_state``, ``activations``, ``inputs``, ``other``.
 
+    With several processes (DDP, FSDP), rank zero also logs ``memtrace/<phase>/<counter>_max`` (MiB, the maximum
+    over ranks) and ``memtrace/<phase>/<counter>_max_rank`` (the rank holding it), once per optimizer step.
+
     **Snapshots**: for a window of steps (by default the second and third steps of the run) the allocator's history is
     recorded and written as ``snapshot_rank<R>_steps<a>-<b>.pickle``, which pytorch.org/memory_viz,
     ``torch.cuda._memory_viz`` and ``memtrace report`` open. On CUDA that is the caching allocator's own history
@@ -104,6 +109,8 @@ class MemTrace(Callback):
         max_rows: Most rows written to the CSV per run.
         max_snapshots: Most window snapshots kept per rank (oldest removed).
         post_mortem: Write a post-mortem on out-of-memory errors.
+        gather_ranks: With several processes, gather each step's rows across ranks once per optimizer step (at
+            ``on_train_batch_end``, which every rank reaches) so that rank zero logs the maxima.
     """
 
     def __init__(
@@ -120,6 +127,7 @@ class MemTrace(Callback):
         max_rows: int | None = 1_000_000,
         max_snapshots: int = 10,
         post_mortem: bool = True,
+        gather_ranks: bool = True,
     ) -> None:
         self.dirpath = Path(dirpath) if dirpath is not None else None
         self.track_allocations = track_allocations
@@ -133,6 +141,7 @@ class MemTrace(Callback):
         self.max_rows = max_rows
         self.max_snapshots = max_snapshots
         self.post_mortem = post_mortem
+        self.gather_ranks = gather_ranks
 
         self.recorder: MemoryRecorder | None = None
         self.output_dir: Path | None = None
@@ -145,6 +154,8 @@ class MemTrace(Callback):
         self._rows_total = 0
         self._last_step: int | None = None
         self._files: list[Path] = []
+        self._batch_step: int | None = None
+        self.last_rank_maxima: dict[str, float] = {}
 
     # --------------------------------------------------------------------------------------------- helpers
     def _disable(self, reason: str) -> None:
@@ -225,8 +236,12 @@ class MemTrace(Callback):
         self.recorder.start()
 
     @override
-    @_guarded
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        self._batch_step = trainer.global_step
+        self._begin_train_batch(trainer, batch, batch_idx)
+
+    @_guarded
+    def _begin_train_batch(self, trainer: pl.Trainer, batch: Any, batch_idx: int) -> None:
         if self.recorder is not None:
             self.recorder.begin_batch(batch, trainer.global_step, trainer.current_epoch, batch_idx, training=True)
 
@@ -249,13 +264,54 @@ class MemTrace(Callback):
             self.recorder.mark_backward_done()
 
     @override
-    @_guarded
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._end_train_batch(trainer)
+        # Outside the guard: every rank must reach the collective, also one whose MemTrace switched itself off.
+        step = self._batch_step
+        if self.gather_ranks and step is not None and trainer.global_step != step and trainer.world_size > 1:
+            self._gather_across_ranks(trainer, step)
+
+    @_guarded
+    def _end_train_batch(self, trainer: pl.Trainer) -> None:
         if self.recorder is not None:
             self.recorder.end_batch(next_step=trainer.global_step)
             self._flush_metrics()
+
+    def _gather_across_ranks(self, trainer: pl.Trainer, step: int) -> None:
+        """Rank zero logs, per phase and counter, the maximum over ranks and the rank that holds it."""
+        values = torch.full((len(TRAIN_PHASES), len(COUNTERS)), -1, dtype=torch.int64)
+        try:
+            recorder = self.recorder
+            for record in list(recorder.records) if recorder is not None and not self._disabled else []:
+                if record.step != step or record.phase not in TRAIN_PHASES:
+                    continue
+                row = TRAIN_PHASES.index(record.phase)
+                for column, counter in enumerate(COUNTERS):
+                    values[row, column] = max(int(values[row, column]), getattr(record, f"{counter}_bytes"))
+        except Exception:
+            pass
+        try:
+            gathered = trainer.strategy.all_gather(values.to(trainer.strategy.root_device)).cpu()
+        except Exception as error:
+            self.gather_ranks = False
+            rank_zero_warn(f"MemTrace could not gather memory across ranks ({error!r}); per-rank files are unaffected.")
+            return
+        if not trainer.is_global_zero or gathered.dim() != 3:
+            return
+        maxima, ranks = gathered.max(dim=0)
+        metrics: dict[str, float] = {}
+        for row, phase in enumerate(TRAIN_PHASES):
+            for column, counter in enumerate(COUNTERS):
+                if int(maxima[row, column]) < 0:
+                    continue
+                metrics[f"memtrace/{phase.value}/{counter}_max"] = int(maxima[row, column]) / MIB
+                metrics[f"memtrace/{phase.value}/{counter}_max_rank"] = float(ranks[row, column])
+        if metrics and self.log_metrics:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=step)
+        self.last_rank_maxima = metrics
 
     @override
     @_guarded
