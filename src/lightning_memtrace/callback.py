@@ -21,6 +21,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks.callback import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_memtrace.counters import allocator_has_counters
 from lightning_memtrace.recorder import MemoryRecorder
 from lightning_memtrace.tracker import is_out_of_memory
 from lightning_memtrace.types import COUNTERS, Phase, PhaseRecord
@@ -28,6 +29,16 @@ from lightning_memtrace.units import MIB
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 TRAIN_PHASES = (Phase.BATCH_START, Phase.AFTER_FORWARD, Phase.AFTER_BACKWARD, Phase.AFTER_OPTIMIZER_STEP, Phase.BATCH_END)
+
+
+def _has_compiled_parts(module: torch.nn.Module) -> bool:
+    if getattr(module, "_compiler_ctx", None):
+        return True
+    optimized = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
+    optimized_type = getattr(optimized, "OptimizedModule", None)
+    if optimized_type is None:
+        return False
+    return any(isinstance(child, optimized_type) for child in module.modules())
 
 
 def _guarded(hook: _F) -> _F:
@@ -215,13 +226,25 @@ class MemTrace(Callback):
             self.recorder.stop()
         self._files = []
         self.device = pl_module.device
+        track_allocations = self.track_allocations
+        if _has_compiled_parts(pl_module) and track_allocations is not False and not allocator_has_counters(pl_module.device):
+            if track_allocations is None:
+                track_allocations = False
+                rank_zero_warn(
+                    "MemTrace: the module has torch.compile'd parts. The CPU allocation tracker (a dispatch mode) would "
+                    "make them run eagerly, so it is off for this run: allocated_bytes is the sum of the categories and "
+                    "peaks inside compiled regions are not seen. Pass MemTrace(track_allocations=True) to trade "
+                    "compilation for exact counters."
+                )
+            else:
+                rank_zero_warn("MemTrace: track_allocations=True makes the torch.compile'd parts of the module run eagerly.")
         self.recorder = MemoryRecorder(
             pl_module,
             list(trainer.optimizers),
             device=pl_module.device,
             rank=self._rank,
             output_dir=self.output_dir,
-            track_allocations=self.track_allocations,
+            track_allocations=track_allocations,
             history=self.history,
             history_skip_steps=self.history_skip_steps,
             history_steps=self.history_steps,

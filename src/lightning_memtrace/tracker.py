@@ -83,40 +83,62 @@ class OutOfMemoryEvent:
     message: str = ""
 
 
+def _dispatch(mode: _TrackerMode, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    tracker = mode.tracker
+    try:
+        out = func(*args, **kwargs) if kwargs else func(*args)
+    except RuntimeError as error:
+        if is_out_of_memory(error):
+            tracker._record_oom(error)
+        raise
+    plan = tracker._plans.get(func)
+    if plan is None:
+        plan = tracker._plan(func)
+    fresh, resizing = plan
+    if fresh:
+        if isinstance(out, Tensor):
+            tracker._track_storage(out.untyped_storage())
+        elif isinstance(out, (list, tuple)):
+            if len(fresh) == 1 and isinstance(out, list):
+                tracker._seen(out)
+            else:
+                for index in fresh:
+                    tracker._seen(out[index])
+    if resizing:
+        tracker._refresh_sizes(args)
+    return out
+
+
+def _skip_dynamo_for(code: Any) -> bool:
+    """Tell dynamo never to compile ``code`` nor anything it calls, without a per-call wrapper.
+
+    ``torch._disable_dynamo`` (what TorchDispatchMode wraps handlers in) costs several microseconds on every operator;
+    a frame strategy set once on the code object costs nothing per call.
+    """
+    try:
+        from torch._C._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+
+        set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+        return True
+    except Exception:
+        return False
+
+
+_DISPATCH_SKIPS_DYNAMO = _skip_dynamo_for(_dispatch.__code__)
+
+
 class _TrackerMode(TorchDispatchMode):
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
-        # The dynamo-disable wrapper costs several microseconds per operator; this handler never runs compiled code.
-        return False
+        # Only fall back to torch's per-call dynamo-disable wrapper where the frame strategy could not be set.
+        return not _DISPATCH_SKIPS_DYNAMO
 
     def __init__(self, tracker: AllocationTracker) -> None:
         super().__init__()
         self.tracker = tracker
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        tracker = self.tracker
-        try:
-            out = func(*args, **kwargs) if kwargs else func(*args)
-        except RuntimeError as error:
-            if is_out_of_memory(error):
-                tracker._record_oom(error)
-            raise
-        plan = tracker._plans.get(func)
-        if plan is None:
-            plan = tracker._plan(func)
-        fresh, resizing = plan
-        if fresh:
-            if isinstance(out, Tensor):
-                tracker._track_storage(out.untyped_storage())
-            elif isinstance(out, (list, tuple)):
-                if len(fresh) == 1 and isinstance(out, list):
-                    tracker._seen(out)
-                else:
-                    for index in fresh:
-                        tracker._seen(out[index])
-        if resizing:
-            tracker._refresh_sizes(args)
-        return out
+    __torch_dispatch__ = _dispatch
 
 
 class AllocationTracker:

@@ -1,0 +1,174 @@
+"""MemTrace with torch.compile, gradient clipping, bf16-mixed, LightningCLI; crash consistency and long runs."""
+
+from __future__ import annotations
+
+import errno
+import gc
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from lightning_memtrace import MemTrace, MemTraceWarning, load_phases
+from lightning_memtrace.storages import unique_storage_bytes
+from lm_helpers import MLP, trainer
+
+HERE = Path(__file__).resolve().parent
+
+
+def test_compiled_module_with_clipping_and_bf16_mixed(tmp_path):
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    class Compiled(MLP):
+        def configure_model(self):
+            self.net = torch.compile(self.net, backend=counting_backend)
+
+    torch._dynamo.reset()
+    callback = MemTrace()
+    module = Compiled()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(tmp_path, [callback], max_steps=3, gradient_clip_val=1.0, precision="bf16-mixed").fit(module)
+    said = [str(w.message) for w in caught if "MemTrace" in str(w.message)]
+    assert len(said) == 1 and "compile" in said[0] and "allocation tracker" in said[0]
+    phases = load_phases(callback.output_dir)
+    assert len(phases) == 15
+    pbytes = unique_storage_bytes(module.parameters())
+    n = len(list(module.parameters()))
+    assert (phases.parameters_bytes == pbytes).all()
+    assert phases[phases.phase == "after_optimizer_step"].optimizer_state_bytes.tolist() == [2 * pbytes + 4 * n] * 3
+    assert (phases[phases.phase == "after_forward"].activations_bytes > 0).all()
+    # the module really ran compiled, and was not recompiled because of MemTrace
+    assert len(graphs) == 1
+    assert (phases.allocated_bytes >= phases.parameters_bytes + phases.optimizer_state_bytes).all()
+
+
+def test_tracker_handler_is_never_compiled_by_dynamo(tmp_path):
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    class Compiled(MLP):
+        def configure_model(self):
+            self.net = torch.compile(self.net, backend=counting_backend)
+
+    torch._dynamo.reset()
+    callback = MemTrace(track_allocations=True)
+    trainer(tmp_path, [callback], max_steps=2).fit(Compiled())
+    # under the tracker the compiled part runs eagerly, and MemTrace's own frames were not handed to dynamo
+    assert all("lightning_memtrace" not in str(gm.code) for gm in graphs)
+    assert len(load_phases(callback.output_dir)) == 10
+
+
+def test_lightning_cli_configures_memtrace_from_yaml(tmp_path):
+    config = {
+        "trainer": {
+            "default_root_dir": str(tmp_path),
+            "max_steps": 2,
+            "accelerator": "cpu",
+            "logger": False,
+            "enable_checkpointing": False,
+            "enable_progress_bar": False,
+            "callbacks": [
+                {
+                    "class_path": "lightning_memtrace.MemTrace",
+                    "init_args": {"dirpath": str(tmp_path / "mt"), "history_steps": 1, "max_rows": 7},
+                }
+            ],
+        },
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    result = subprocess.run(
+        [sys.executable, str(HERE / "cli_run.py"), "fit", "--config", str(path)],
+        capture_output=True, text=True, timeout=180, cwd=str(tmp_path),
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    phases = load_phases(tmp_path / "mt")
+    assert len(phases) == 7  # max_rows from YAML
+    assert [p.name for p in (tmp_path / "mt").glob("snapshot_*")] == ["snapshot_rank0_steps1-1.pickle"]
+
+
+def test_sigkill_mid_run_leaves_whole_files(tmp_path):
+    process = subprocess.Popen(
+        [sys.executable, str(HERE / "kill_run.py"), str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+    try:
+        for line in process.stdout:
+            if "READY" in line:
+                break
+        os.kill(process.pid, signal.SIGKILL)
+    finally:
+        process.wait(timeout=60)
+    text = (tmp_path / "phases_rank0.csv").read_text()
+    lines = text.splitlines()
+    phases = load_phases(tmp_path)
+    # one write() per whole line: no half line, every row that was written is read back
+    assert text.endswith("\n")
+    assert all(line.count(",") == 14 for line in lines)
+    assert len(phases) == len(lines) - 1 >= 100
+    for pickle_path in tmp_path.glob("*.pickle"):  # a snapshot is either absent or whole
+        with open(pickle_path, "rb") as handle:
+            pickle.load(handle)
+
+
+def test_full_disk_mid_run_one_warning_and_training_goes_on(tmp_path, monkeypatch):
+    real_write = os.write
+    calls = {"n": 0}
+
+    def failing_write(fd, data):
+        if data.startswith(b"0,") or data[:2].isdigit() or data[:1].isdigit():
+            calls["n"] += 1
+            if calls["n"] > 6:
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", failing_write)
+    callback = MemTrace(dirpath=tmp_path / "mt")
+    fit_trainer = trainer(tmp_path, [callback], max_steps=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit_trainer.fit(MLP())
+    monkeypatch.setattr(os, "write", real_write)
+    ours = [w for w in caught if issubclass(w.category, MemTraceWarning)]
+    assert len(ours) == 1 and "No space left" in str(ours[0].message)
+    assert fit_trainer.global_step == 4
+    assert len(load_phases(tmp_path / "mt")) == 6
+    assert not list((tmp_path / "mt").glob("snapshot_*.pickle"))  # recording stopped: no file after the failure
+
+
+def test_long_run_keeps_process_memory_flat(tmp_path):
+    page = os.sysconf("SC_PAGE_SIZE")
+
+    def rss() -> int:
+        with open("/proc/self/statm") as handle:
+            return int(handle.read().split()[1]) * page
+
+    class Probe(MLP):
+        rss: dict[int, int] = {}
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            if self.global_step in (400, 2000):
+                gc.collect()
+                Probe.rss[self.global_step] = rss()
+
+    callback = MemTrace(dirpath=tmp_path / "mt", log_metrics=False, max_entries=5000)
+    trainer(tmp_path, [callback], max_steps=2000, max_epochs=-1).fit(Probe(width=16, batch_size=4))
+    assert len(load_phases(tmp_path / "mt")) == 2000 * 5
+    growth = Probe.rss[2000] - Probe.rss[400]
+    assert growth < 8 * 1024**2, f"RSS grew by {growth} B between steps 400 and 2000"
+    assert len(callback._files) == 1  # one window snapshot
