@@ -42,7 +42,7 @@ def main() -> None:
     out = Path(sys.argv[1])
     mode = sys.argv[2] if len(sys.argv) > 2 else "normal"
     warnings.filterwarnings("ignore")
-    callback = MemTrace()
+    callback = MemTrace(gather_every_n_steps=1)
     trainer = pl.Trainer(
         default_root_dir=str(out),
         accelerator="cpu",

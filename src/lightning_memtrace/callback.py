@@ -28,6 +28,7 @@ from lightning_memtrace.types import COUNTERS, Phase, PhaseRecord
 from lightning_memtrace.units import MIB
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+_RANK_BITS = 16
 TRAIN_PHASES = (Phase.BATCH_START, Phase.AFTER_FORWARD, Phase.AFTER_BACKWARD, Phase.AFTER_OPTIMIZER_STEP, Phase.BATCH_END)
 
 
@@ -93,7 +94,8 @@ class MemTrace(Callback):
     ``parameters``, ``gradients``, ``optimizer_state``, ``activations``, ``inputs``, ``other``.
 
     With several processes (DDP, FSDP), rank zero also logs ``memtrace/<phase>/<counter>_max`` (MiB, the maximum
-    over ranks) and ``memtrace/<phase>/<counter>_max_rank`` (the rank holding it), once per optimizer step.
+    over ranks) and ``memtrace/<phase>/<counter>_max_rank`` (the rank holding it), at most once per optimizer step
+    (by default every ``log_every_n_steps``).
 
     **Snapshots**: for a window of steps (by default the second and third steps of the run) the allocator's history is
     recorded and written as ``snapshot_rank<R>_steps<a>-<b>.pickle``, which pytorch.org/memory_viz,
@@ -120,8 +122,10 @@ class MemTrace(Callback):
         max_rows: Most rows written to the CSV per run.
         max_snapshots: Most window snapshots kept per rank (oldest removed).
         post_mortem: Write a post-mortem on out-of-memory errors.
-        gather_ranks: With several processes, gather each step's rows across ranks once per optimizer step (at
+        gather_ranks: With several processes, gather a step's rows across ranks (one small ``all_reduce`` at
             ``on_train_batch_end``, which every rank reaches) so that rank zero logs the maxima.
+        gather_every_n_steps: Gather every this many optimizer steps (and at the last). Default: the Trainer's
+            ``log_every_n_steps``.
     """
 
     def __init__(
@@ -139,6 +143,7 @@ class MemTrace(Callback):
         max_snapshots: int = 10,
         post_mortem: bool = True,
         gather_ranks: bool = True,
+        gather_every_n_steps: int | None = None,
     ) -> None:
         self.dirpath = Path(dirpath) if dirpath is not None else None
         self.track_allocations = track_allocations
@@ -153,6 +158,7 @@ class MemTrace(Callback):
         self.max_snapshots = max_snapshots
         self.post_mortem = post_mortem
         self.gather_ranks = gather_ranks
+        self.gather_every_n_steps = gather_every_n_steps
 
         self.recorder: MemoryRecorder | None = None
         self.output_dir: Path | None = None
@@ -294,7 +300,10 @@ class MemTrace(Callback):
         # Outside the guard: every rank must reach the collective, also one whose MemTrace switched itself off.
         step = self._batch_step
         if self.gather_ranks and step is not None and trainer.global_step != step and trainer.world_size > 1:
-            self._gather_across_ranks(trainer, step)
+            every = self.gather_every_n_steps or trainer.log_every_n_steps or 1
+            # the same decision on every rank: it depends only on the global step
+            if trainer.global_step % every == 0 or trainer.global_step == trainer.max_steps:
+                self._gather_across_ranks(trainer, step)
 
     @_guarded
     def _end_train_batch(self, trainer: pl.Trainer) -> None:
@@ -303,8 +312,12 @@ class MemTrace(Callback):
             self._flush_metrics()
 
     def _gather_across_ranks(self, trainer: pl.Trainer, step: int) -> None:
-        """Rank zero logs, per phase and counter, the maximum over ranks and the rank that holds it."""
+        """Rank zero logs, per phase and counter, the maximum over ranks and the rank that holds it.
+
+        One ``all_reduce(MAX)`` of a small int64 tensor whose entries encode ``bytes << 16 | rank``.
+        """
         values = torch.full((len(TRAIN_PHASES), len(COUNTERS)), -1, dtype=torch.int64)
+        rank = trainer.global_rank
         try:
             recorder = self.recorder
             for record in list(recorder.records) if recorder is not None and not self._disabled else []:
@@ -312,25 +325,32 @@ class MemTrace(Callback):
                     continue
                 row = TRAIN_PHASES.index(record.phase)
                 for column, counter in enumerate(COUNTERS):
-                    values[row, column] = max(int(values[row, column]), getattr(record, f"{counter}_bytes"))
+                    encoded = (getattr(record, f"{counter}_bytes") << _RANK_BITS) | rank
+                    values[row, column] = max(int(values[row, column]), encoded)
         except Exception:
             pass
         try:
-            gathered = trainer.strategy.all_gather(values.to(trainer.strategy.root_device)).cpu()
+            import torch.distributed as dist
+
+            if not (dist.is_available() and dist.is_initialized()):
+                return
+            reduced = values.to(trainer.strategy.root_device)
+            dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
+            reduced = reduced.cpu()
         except Exception as error:
             self.gather_ranks = False
             rank_zero_warn(f"MemTrace could not gather memory across ranks ({error!r}); per-rank files are unaffected.")
             return
-        if not trainer.is_global_zero or gathered.dim() != 3:
+        if not trainer.is_global_zero:
             return
-        maxima, ranks = gathered.max(dim=0)
         metrics: dict[str, float] = {}
         for row, phase in enumerate(TRAIN_PHASES):
             for column, counter in enumerate(COUNTERS):
-                if int(maxima[row, column]) < 0:
+                encoded = int(reduced[row, column])
+                if encoded < 0:
                     continue
-                metrics[f"memtrace/{phase.value}/{counter}_max"] = int(maxima[row, column]) / MIB
-                metrics[f"memtrace/{phase.value}/{counter}_max_rank"] = float(ranks[row, column])
+                metrics[f"memtrace/{phase.value}/{counter}_max"] = (encoded >> _RANK_BITS) / MIB
+                metrics[f"memtrace/{phase.value}/{counter}_max_rank"] = float(encoded & ((1 << _RANK_BITS) - 1))
         if metrics and self.log_metrics:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
