@@ -43,3 +43,7 @@ benchmark: $(STAMP)
 
 clean:
 	rm -rf $(VENV) memtrace_demo build dist
+
+# Headless Chromium screenshot of a report with the network off (may apt-get install chromium; not part of `make test`).
+screenshot: $(STAMP)
+	bash benchmarks/screenshot.sh

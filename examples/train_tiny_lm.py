@@ -104,9 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"phases CSV:     {folder / 'phases_rank0.csv'}  ({len(phases)} rows)")
     for path in memtrace.files:
         print(f"{'snapshot:' if 'snapshot' in path.name else 'file:':<15} {path}")
-    report = folder / "report_rank0.html"
-    if report.exists():
-        print(f"report:         {report}")
+    if memtrace.report_path is not None:
+        print(f"report:         {memtrace.report_path}  (self-contained HTML, opens offline)")
+        print(f"timeline:       {folder / 'timeline.png'}")
     print(f"logger metrics: {trainer.logger.log_dir}/metrics.csv (memtrace/<phase>/<counter>, MiB)")
     print("post-mortem:    oom_rank0_step<N>.txt/.pickle appear in the same folder if a run dies of out-of-memory")
     print()

@@ -116,6 +116,16 @@ def test_snapshot_of_window_written(lm_run):
     assert {"phase=forward", "phase=backward", "phase=optimizer_step"} <= stages
 
 
+def test_report_written_at_end_of_fit(lm_run):
+    module, callback, phases = lm_run
+    html = (callback.output_dir / "report.html").read_text()
+    assert callback.report_path == callback.output_dir / "report.html"
+    from test_report import external_loads
+
+    assert external_loads(html) == []  # self-contained: nothing loaded from anywhere
+    assert (callback.output_dir / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_gradient_checkpointing_shrinks_activations(tmp_path, lm_run):
     _, _, plain = lm_run
     _, _, checkpointed = _fit(tmp_path, TinyLM(batch_size=4, seq_len=64, gradient_checkpointing=True), max_steps=2)

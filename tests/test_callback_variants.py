@@ -100,6 +100,7 @@ def test_metrics_reach_every_logger(tmp_path):
     events.Reload()
     tags = events.Tags()["scalars"]
     assert "memtrace/after_forward/allocated" in tags
+    assert "memtrace/timeline" in events.Tags()["images"]  # the report's PNG, logged at the end of fit
     values = [e.value for e in events.Scalars("memtrace/after_backward/gradients")]
     assert values == pytest.approx([unique_storage_bytes(MLP().parameters()) / 1024**2] * 2)
 

@@ -1,22 +1,51 @@
-"""lightning_memtrace: where the memory of a PyTorch (Lightning) training run goes, phase by phase, and why."""
+"""lightning_memtrace: where the memory of a PyTorch (Lightning) training run goes, phase by phase, and why.
 
-from lightning_memtrace.callback import MemTrace
-from lightning_memtrace.phases_csv import load_phases
-from lightning_memtrace.recorder import MemoryRecorder, MemTraceWarning
-from lightning_memtrace.tracker import AllocationTracker, is_out_of_memory
-from lightning_memtrace.types import Category, Phase, PhaseRecord, Stage
+Names are imported on first use, so that the ``memtrace`` command starts without importing torch or Lightning.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0.dev0"
 
-__all__ = [
-    "AllocationTracker",
-    "Category",
-    "MemTrace",
-    "MemTraceWarning",
-    "MemoryRecorder",
-    "Phase",
-    "PhaseRecord",
-    "Stage",
-    "is_out_of_memory",
-    "load_phases",
-]
+_EXPORTS = {
+    "MemTrace": "lightning_memtrace.callback",
+    "MemoryRecorder": "lightning_memtrace.recorder",
+    "MemTraceWarning": "lightning_memtrace.recorder",
+    "AllocationTracker": "lightning_memtrace.tracker",
+    "is_out_of_memory": "lightning_memtrace.tracker",
+    "load_phases": "lightning_memtrace.phases_csv",
+    "Category": "lightning_memtrace.types",
+    "Phase": "lightning_memtrace.types",
+    "PhaseRecord": "lightning_memtrace.types",
+    "Stage": "lightning_memtrace.types",
+    "write_report": "lightning_memtrace.report",
+    "load_snapshot": "lightning_memtrace.snapshot_loader",
+    "SnapshotError": "lightning_memtrace.snapshot_loader",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from lightning_memtrace.callback import MemTrace
+    from lightning_memtrace.phases_csv import load_phases
+    from lightning_memtrace.recorder import MemoryRecorder, MemTraceWarning
+    from lightning_memtrace.report import write_report
+    from lightning_memtrace.snapshot_loader import SnapshotError, load_snapshot
+    from lightning_memtrace.tracker import AllocationTracker, is_out_of_memory
+    from lightning_memtrace.types import Category, Phase, PhaseRecord, Stage
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lightning_memtrace' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -103,6 +103,9 @@ class MemTrace(Callback):
     (``_record_memory_history``, Python stacks, a ring buffer of ``max_entries``) with each allocation tagged with its
     phase; on CPU the storage-level tracker writes the same format.
 
+    **Report**: at the end of fit, ``report.html`` and ``timeline.png`` (see ``report`` below; ``memtrace report``
+    writes the same from any snapshot or log folder).
+
     **Post-mortem**: on an out-of-memory error, ``oom_rank<R>_step<N>.pickle`` and ``oom_rank<R>_step<N>.txt`` (step,
     phase, requested size, live memory by category, the ten largest live allocations and where they were made, what
     to change) are written before the error propagates unchanged.
@@ -126,6 +129,8 @@ class MemTrace(Callback):
             ``on_train_batch_end``, which every rank reaches) so that rank zero logs the maxima.
         gather_every_n_steps: Gather every this many optimizer steps (and at the last). Default: the Trainer's
             ``log_every_n_steps``.
+        report: At the end of fit, rank zero writes ``report.html`` (self-contained, works offline) and
+            ``timeline.png`` into the folder, and logs the PNG to TensorBoard as ``memtrace/timeline``.
     """
 
     def __init__(
@@ -144,6 +149,7 @@ class MemTrace(Callback):
         post_mortem: bool = True,
         gather_ranks: bool = True,
         gather_every_n_steps: int | None = None,
+        report: bool = True,
     ) -> None:
         self.dirpath = Path(dirpath) if dirpath is not None else None
         self.track_allocations = track_allocations
@@ -159,6 +165,8 @@ class MemTrace(Callback):
         self.post_mortem = post_mortem
         self.gather_ranks = gather_ranks
         self.gather_every_n_steps = gather_every_n_steps
+        self.report = report
+        self.report_path: Path | None = None
 
         self.recorder: MemoryRecorder | None = None
         self.output_dir: Path | None = None
@@ -383,6 +391,28 @@ class MemTrace(Callback):
     @_guarded
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._finish()
+        if self.report and trainer.is_global_zero:
+            self._write_report(trainer)
+
+    def _write_report(self, trainer: pl.Trainer) -> None:
+        folder = self.output_dir
+        if folder is None or not folder.is_dir() or not any(folder.glob("phases_rank*.csv")):
+            return
+        from lightning_memtrace.report import write_report
+
+        try:
+            self.report_path = write_report(folder, folder / "report.html", folder / "timeline.png")
+        except Exception as error:
+            rank_zero_warn(f"MemTrace could not write the report in {folder}: {error}")
+            return
+        png = folder / "timeline.png"
+        for logger in trainer.loggers:
+            experiment = getattr(logger, "experiment", None)
+            if png.is_file() and hasattr(experiment, "add_image"):
+                import matplotlib.image
+
+                image = matplotlib.image.imread(str(png))[..., :3]
+                experiment.add_image("memtrace/timeline", image, global_step=trainer.global_step, dataformats="HWC")
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:

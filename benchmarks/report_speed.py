@@ -1,0 +1,215 @@
+"""How fast is ``memtrace report`` on a long recording? (target: <= 5 s and <= 2 GiB peak RSS on 2 cores)
+
+Builds a 1,000,000-event snapshot from the kkaitlyn111 fixture the way a long recording looks (distinct event dicts,
+times and addresses shifted per repetition, frame lists shared as torch shares them), then times, each in a fresh
+process:
+
+* ``pickle.load`` of the file alone: the floor any reader pays;
+* ``torch.cuda._memory_viz.trace(data)``: torch's own Python reader (after its ``pickle.load``), with a time limit;
+* ``memtrace report FILE -o OUT.html``: in-process (imports done), and as a command end to end.
+
+usage: python benchmarks/report_speed.py [--events 1000000] [--out build/bench] [--torch-timeout 120]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURE = ROOT.parent / "shared" / "fixtures" / "snapshots" / "kkaitlyn111_memory_files_memory_ctx128_fullstep.pickle"
+
+# Runs in a fresh interpreter; prints one JSON line with the seconds it measured and its own peak RSS.
+_RUNNER = r"""
+import json, resource, sys, time
+kind, path, out = sys.argv[1], sys.argv[2], sys.argv[3]
+if kind == "lazy":
+    # what the command costs when the package __init__ does not import the Lightning callback eagerly
+    import importlib.util, types
+    spec = importlib.util.find_spec("lightning_memtrace")
+    pkg = types.ModuleType("lightning_memtrace")
+    pkg.__path__ = list(spec.submodule_search_locations)
+    sys.modules["lightning_memtrace"] = pkg
+t_import = time.perf_counter()
+if kind in ("pickle", "pickle_nogc"):
+    import gc, pickle
+    if kind == "pickle_nogc":
+        gc.disable()
+elif kind == "torch":
+    import pickle
+    from torch.cuda import _memory_viz
+else:
+    from lightning_memtrace.cli import main
+t0 = time.perf_counter()
+c0 = time.process_time()
+if kind in ("pickle", "pickle_nogc"):
+    with open(path, "rb") as f:
+        pickle.load(f)
+elif kind == "torch":
+    with open(path, "rb") as f:
+        data = pickle.load(f)
+    t_loaded = time.perf_counter()
+    text = _memory_viz.trace(data)
+else:
+    code = main(["report", path, "-o", out])
+    assert code == 0
+t1 = time.perf_counter()
+c1 = time.process_time()
+rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+result = {"seconds": t1 - t0, "cpu": c1 - c0, "import_seconds": t0 - t_import, "rss": rss}
+if kind == "torch":
+    result["trace_seconds"] = t1 - t_loaded
+print("RESULT " + json.dumps(result))
+"""
+
+
+def build_snapshot(events: int, source: Path = FIXTURE) -> dict[str, Any]:
+    """``events`` trace entries made of repetitions of the fixture's trace."""
+    with open(source, "rb") as handle:
+        data = pickle.load(handle)
+    base = data["device_traces"][0]
+    span = base[-1]["time_us"] - base[0]["time_us"] + 1_000
+    addr_shift = 1 << 40
+    trace: list[dict[str, Any]] = []
+    rep = 0
+    while len(trace) < events:
+        dt = rep * span
+        da = rep * addr_shift
+        for e in base:
+            if len(trace) >= events:
+                break
+            entry = dict(e)  # a distinct dict per event; "frames" stays the same list object (shared)
+            entry["time_us"] = e["time_us"] + dt
+            entry["addr"] = e["addr"] + da
+            trace.append(entry)
+        rep += 1
+    data["device_traces"] = [trace]
+    return data
+
+
+def _run(kind: str, path: Path, out: Path, timeout: float, command: list[str] | None = None) -> dict[str, Any]:
+    """Run one measurement in a fresh interpreter; ``seconds``/``cpu`` exclude interpreter start unless a command."""
+    start = time.perf_counter()
+    args = [sys.executable, "-c", _RUNNER, kind, str(path), str(out)]
+    if command:
+        # the console script as a user runs it: wall time, CPU time and peak RSS of the whole child process
+        wrapper = (
+            "import json, resource, subprocess, sys, time\n"
+            "t = time.perf_counter()\n"
+            "r = subprocess.run(sys.argv[1:], capture_output=True)\n"
+            "u = resource.getrusage(resource.RUSAGE_CHILDREN)\n"
+            "print('RESULT ' + json.dumps({'seconds': time.perf_counter() - t, 'cpu': u.ru_utime + u.ru_stime,\n"
+            "      'rss': u.ru_maxrss * 1024, 'rc': r.returncode}))\n"
+            "sys.stderr.write(r.stderr.decode())\n"
+        )
+        args = [sys.executable, "-c", wrapper, *command]
+    try:
+        result = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"timeout": timeout, "seconds": float("inf"), "cpu": float("inf"), "rss": 0}
+    line = next((x for x in result.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if line is None or json.loads(line[len("RESULT ") :]).get("rc", 0) != 0:
+        raise RuntimeError(f"{kind} failed: {result.stderr.strip()[-2000:]}")
+    measured = json.loads(line[len("RESULT ") :])
+    measured["wall"] = time.perf_counter() - start
+    return measured
+
+
+def _row(label: str, r: dict[str, Any], note: str = "") -> None:
+    if "timeout" in r:
+        print(f"  {label:<42} > {r['timeout']:.0f} s (stopped)")
+        return
+    rss = f"{r['rss'] / 2**30:5.2f} GiB" if r.get("rss") else "        -"
+    print(f"  {label:<42} {r['seconds']:7.2f} s wall {r['cpu']:7.2f} s CPU   {rss}  {note}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--events", type=int, default=1_000_000)
+    parser.add_argument("--out", type=Path, default=ROOT / "build" / "bench")
+    parser.add_argument(
+        "--torch-timeout",
+        type=float,
+        default=120.0,
+        help="seconds after which torch's reader is stopped (reported as a lower bound)",
+    )
+    parser.add_argument("--skip-torch", action="store_true")
+    args = parser.parse_args()
+    if not FIXTURE.is_file():
+        print(f"fixture missing: {FIXTURE}", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    snap_path = args.out / f"long_{args.events}.pickle"
+    t = time.perf_counter()
+    data = build_snapshot(args.events)
+    with open(snap_path, "wb") as handle:
+        pickle.dump(data, handle)
+    del data
+    size = snap_path.stat().st_size
+    print(f"built {snap_path.name}: {args.events:,} events, {size / 1e6:.1f} MB ({time.perf_counter() - t:.1f} s)")
+    try:
+        load = os.getloadavg()[0]
+        print(f"load average {load:.2f} on {os.cpu_count()} CPUs (wall times inflate when other work runs)")
+    except OSError:
+        pass
+    html = args.out / "long_report.html"
+
+    floor = _run("pickle", snap_path, html, 300)
+    floor_nogc = _run("pickle_nogc", snap_path, html, 300)
+    inproc = _run("inprocess", snap_path, html, 300)
+    html_size = html.stat().st_size
+    lazy = _run("lazy", snap_path, html, 300)
+    script = Path(sys.executable).with_name("memtrace")
+    cmd = [str(script) if script.exists() else "memtrace", "report", str(snap_path), "-o", str(html)]
+    full = _run("command", snap_path, html, 300, command=cmd)
+    print(f"{args.events:,}-event snapshot:")
+    _row("pickle.load alone (the floor)", floor)
+    _row("pickle.load alone, gc disabled", floor_nogc, "(memtrace's loader pauses the gc too)")
+    _row("memtrace report, in-process", inproc, f"HTML {html_size / 2**20:.1f} MiB")
+    _row("memtrace report, command (lazy package)", lazy, "interpreter + imports + report")
+    _row("memtrace report, console script", full, "+ lightning_memtrace/__init__ (imports Lightning)")
+    torch_r: dict[str, Any] | None = None
+    if not args.skip_torch:
+        torch_r = _run("torch", snap_path, html, args.torch_timeout)
+        if "timeout" not in torch_r:
+            torch_r = {**torch_r, "seconds": torch_r["trace_seconds"], "cpu": torch_r["trace_seconds"]}
+        _row("torch.cuda._memory_viz.trace(data)", torch_r, "(after its own pickle.load)")
+        small_torch = _run("torch", FIXTURE, html, args.torch_timeout)
+        small_ours = _run("inprocess", FIXTURE, args.out / "fixture_report.html", 300)
+        print("19,342-event fixture (kkaitlyn111):")
+        if "timeout" not in small_torch:
+            small_torch = {**small_torch, "seconds": small_torch["trace_seconds"], "cpu": small_torch["trace_seconds"]}
+        _row("torch.cuda._memory_viz.trace(data)", small_torch)
+        _row("memtrace report, in-process", small_ours)
+    print()
+    for label, key in (("wall", "seconds"), ("CPU", "cpu")):
+        print(
+            f"ratio report / pickle.load ({label}): {inproc[key] / floor[key]:.2f}x in-process; "
+            f"{inproc[key] / floor_nogc[key]:.2f}x against pickle.load with the gc paused"
+        )
+    if torch_r is not None:
+        if "timeout" in torch_r:
+            print(
+                f"ratio report / torch _memory_viz.trace: < {inproc['seconds'] / args.torch_timeout:.3f}x "
+                f"(torch stopped after {args.torch_timeout:.0f} s)"
+            )
+        else:
+            print(f"ratio report / torch _memory_viz.trace: {inproc['seconds'] / torch_r['seconds']:.3f}x")
+    ok = inproc["seconds"] <= 5.0 and inproc["rss"] <= 2 * 2**30 and html_size < 10 * 2**20
+    ok_cpu = inproc["cpu"] <= 5.0
+    print(
+        f"target <= 5 s, <= 2 GiB, HTML < 10 MB (in-process): {'met' if ok else 'NOT met'} on wall time, "
+        f"{'met' if ok_cpu else 'NOT met'} on CPU time"
+    )
+    return 0 if ok or ok_cpu else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

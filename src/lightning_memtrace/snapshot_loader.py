@@ -1,0 +1,369 @@
+"""Read memory snapshots safely, whatever wrote them.
+
+A snapshot is a pickle written by ``torch.cuda.memory._dump_snapshot`` (the dict format with ``segments`` and
+``device_traces``), by the older ``torch.cuda.memory_snapshot()`` (a bare list of segments), by MemTrace (the dict
+format plus a ``"memtrace"`` key and per-event ``category``/``user_metadata``), possibly gzip-compressed, or embedded
+as base64 in the HTML page that ``torch.cuda._memory_viz`` writes.
+
+Snapshots come from other people: they are unpickled by :class:`RestrictedUnpickler`, which builds plain containers
+and scalars only and refuses any pickle that names a Python object (which is how a pickle runs code). Every bad input
+raises :class:`SnapshotError` with a one-line message.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import dataclasses
+import gc
+import io
+import os
+import pickle
+import re
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from lightning_memtrace.units import format_bytes
+
+#: Default cap on the bytes read (and, for gzip and HTML, decompressed/decoded) from one snapshot file.
+DEFAULT_MAX_BYTES = 8 * 1024**3
+
+#: Above this size a progress bar is shown while reading (when a ``progress`` callback is given).
+PROGRESS_THRESHOLD_BYTES = 16 * 1024**2
+
+_CHUNK = 4 * 1024**2
+
+#: The only globals a snapshot pickle may name: harmless constructors of plain containers.
+_ALLOWED_GLOBALS: dict[tuple[str, str], Any] = {
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+    ("builtins", "bytearray"): bytearray,
+    ("__builtin__", "set"): set,
+    ("__builtin__", "frozenset"): frozenset,
+    ("collections", "OrderedDict"): dict,
+}
+
+
+class SnapshotError(ValueError):
+    """A file that is not a readable memory snapshot. The message is one line, fit for ``memtrace: error: ...``."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(str(message).split()))
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """An unpickler that builds dicts, lists, tuples, sets, strings, bytes and numbers only.
+
+    Any other global (``os.system``, a class of some package, ``torch._utils._rebuild_tensor``...) is refused with
+    :class:`SnapshotError` before it is imported, so no code from the file runs.
+    """
+
+    def find_class(self, module: str, name: str) -> Any:  # noqa: D102 - see class docstring
+        allowed = _ALLOWED_GLOBALS.get((module, name))
+        if allowed is None:
+            raise SnapshotError(
+                f"refused to unpickle: the file asks for the Python object {module}.{name}; "
+                "a memory snapshot holds only plain data (dicts, lists, strings, numbers)"
+            )
+        return allowed
+
+    def persistent_load(self, pid: Any) -> Any:  # noqa: D102
+        raise SnapshotError("refused to unpickle: the file uses persistent ids; a memory snapshot never does")
+
+
+@dataclasses.dataclass
+class Snapshot:
+    """A loaded snapshot, normalised to the current dict format.
+
+    Attributes:
+        data: ``{"segments": [...], "device_traces": [[...], ...], ...}``; every other key of the file is kept.
+        path: Where it was read from.
+        container: How it was stored: ``"pickle"``, ``"gzip"`` or ``"html"``.
+        layout: ``"dict"`` (current format) or ``"segment-list"`` (the old bare list of segments, no trace).
+    """
+
+    data: dict[str, Any]
+    path: Path | None = None
+    container: str = "pickle"
+    layout: str = "dict"
+
+    @property
+    def segments(self) -> list[dict[str, Any]]:
+        return self.data["segments"]
+
+    @property
+    def device_traces(self) -> list[list[dict[str, Any]]]:
+        return self.data["device_traces"]
+
+    @property
+    def memtrace(self) -> dict[str, Any] | None:
+        """MemTrace's own header (``format``, ``device``, ``rank``, ``steps``, ``phases``...), or None."""
+        value = self.data.get("memtrace")
+        return value if isinstance(value, dict) else None
+
+    @property
+    def external_annotations(self) -> list[dict[str, Any]]:
+        value = self.data.get("external_annotations")
+        return [a for a in value if isinstance(a, dict)] if isinstance(value, list) else []
+
+    @property
+    def allocator_settings(self) -> dict[str, Any]:
+        value = self.data.get("allocator_settings")
+        return value if isinstance(value, dict) else {}
+
+    @property
+    def num_events(self) -> int:
+        return sum(len(t) for t in self.device_traces)
+
+    @property
+    def name(self) -> str:
+        return self.path.name if self.path is not None else "<snapshot>"
+
+
+def _one_line(text: str, limit: int = 160) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _describe_magic(head: bytes) -> str | None:
+    """A short name for well-known non-snapshot file types, from their first bytes."""
+    magics = {
+        b"\x89PNG": "a PNG image",
+        b"\xff\xd8\xff": "a JPEG image",
+        b"GIF8": "a GIF image",
+        b"%PDF": "a PDF document",
+        b"PK\x03\x04": "a zip archive (a torch.save checkpoint?)",
+        b"\x7fELF": "an executable",
+        b"SQLite format": "an SQLite database",
+    }
+    for magic, what in magics.items():
+        if head.startswith(magic):
+            return what
+    return None
+
+
+def _read_capped(path: Path, max_bytes: int, progress: Callable[[int, int], None] | None) -> bytes:
+    size = path.stat().st_size
+    if size > max_bytes:
+        raise SnapshotError(
+            f"{path}: {format_bytes(size)} is over the size limit of {format_bytes(max_bytes)} "
+            "(raise it with max_bytes / --max-bytes)"
+        )
+    with open(path, "rb") as handle:
+        if progress is None or size < PROGRESS_THRESHOLD_BYTES:
+            return handle.read(max_bytes + 1)
+        buffer = bytearray()
+        while True:
+            chunk = handle.read(_CHUNK)
+            if not chunk:
+                break
+            buffer += chunk
+            progress(len(buffer), size)
+        return bytes(buffer)
+
+
+def _gunzip_capped(raw: bytes, max_bytes: int, where: str) -> bytes:
+    decompressor = zlib.decompressobj(wbits=31)
+    out = bytearray()
+    try:
+        pos = 0
+        while pos < len(raw):
+            chunk = raw[pos : pos + _CHUNK]
+            pos += _CHUNK
+            out += decompressor.decompress(chunk, max_bytes + 1 - len(out))
+            if len(out) > max_bytes or decompressor.unconsumed_tail:
+                raise SnapshotError(
+                    f"{where}: decompresses to over the size limit of {format_bytes(max_bytes)} "
+                    "(raise it with max_bytes / --max-bytes)"
+                )
+        out += decompressor.flush()
+    except zlib.error as error:
+        raise SnapshotError(f"{where}: corrupt gzip data ({_one_line(str(error))})") from None
+    if not decompressor.eof:
+        raise SnapshotError(f"{where}: truncated gzip file")
+    return bytes(out)
+
+
+_BASE64_RE = re.compile(rb'"base64"\s*:\s*"([A-Za-z0-9+/=\\n]+)"')
+_ANY_BASE64_RE = re.compile(rb"([A-Za-z0-9+/]{64,}={0,2})")
+
+
+def _extract_from_html(raw: bytes, where: str, max_bytes: int) -> bytes:
+    """The pickle embedded (base64) in a page written by ``torch.cuda._memory_viz``."""
+    candidates = [m.group(1).replace(b"\\n", b"") for m in _BASE64_RE.finditer(raw)]
+    if not candidates:
+        candidates = [m.group(1) for m in _ANY_BASE64_RE.finditer(raw)]
+    if not candidates:
+        raise SnapshotError(f"{where}: an HTML file without an embedded snapshot (not written by torch memory_viz?)")
+    encoded = max(candidates, key=len)
+    if len(encoded) * 3 // 4 > max_bytes:
+        raise SnapshotError(f"{where}: the embedded snapshot is over the size limit of {format_bytes(max_bytes)}")
+    try:
+        return base64.b64decode(encoded, validate=False)
+    except (binascii.Error, ValueError) as error:
+        raise SnapshotError(f"{where}: the embedded snapshot is not valid base64 ({_one_line(str(error))})") from None
+
+
+def unpickle_restricted(raw: bytes, where: str = "<bytes>") -> Any:
+    """Unpickle ``raw`` with :class:`RestrictedUnpickler`.
+
+    Args:
+        raw: The pickle's bytes.
+        where: Named in error messages.
+
+    Returns:
+        The plain Python value.
+
+    Raises:
+        SnapshotError: The pickle names a Python object, is truncated or is not a pickle.
+    """
+    if not raw:
+        raise SnapshotError(f"{where}: empty file")
+    was_enabled = gc.isenabled()
+    gc.disable()  # a million small dicts would trigger the cyclic collector over and over (3x slower)
+    try:
+        return RestrictedUnpickler(io.BytesIO(raw)).load()
+    except SnapshotError as error:
+        raise SnapshotError(f"{where}: {error}") from None
+    except EOFError:
+        raise SnapshotError(f"{where}: truncated pickle (the file ends before the snapshot does)") from None
+    except MemoryError:
+        raise SnapshotError(f"{where}: out of memory while unpickling") from None
+    except RecursionError:
+        raise SnapshotError(f"{where}: pickle nested too deeply") from None
+    except Exception as error:  # pickle raises many types for corrupt input
+        if raw[:1] != b"\x80":
+            raise SnapshotError(f"{where}: not a pickle (nor gzip, nor memory_viz HTML)") from None
+        raise SnapshotError(
+            f"{where}: corrupt or truncated pickle ({type(error).__name__}: {_one_line(str(error))})"
+        ) from None
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _is_segment(value: Any) -> bool:
+    return isinstance(value, dict) and ("blocks" in value or "total_size" in value) and "address" in value
+
+
+def normalize(value: Any, where: str = "<snapshot>") -> tuple[dict[str, Any], str]:
+    """Bring an unpickled value to the current dict format.
+
+    Args:
+        value: What the pickle held.
+        where: Named in error messages.
+
+    Returns:
+        ``(data, layout)``: ``data`` always has a list ``segments`` and a list of lists ``device_traces`` (events are
+        dicts with at least ``action``); ``layout`` is ``"dict"`` or ``"segment-list"``.
+
+    Raises:
+        SnapshotError: The value is not a memory snapshot.
+    """
+    layout = "dict"
+    if isinstance(value, list):
+        if value and not all(_is_segment(s) for s in value[:50]):
+            raise SnapshotError(f"{where}: a pickled list, but not of memory segments")
+        value = {"segments": value, "device_traces": []}
+        layout = "segment-list"
+    if not isinstance(value, dict):
+        raise SnapshotError(f"{where}: a pickle of {type(value).__name__}, not a memory snapshot")
+    if "segments" not in value and "device_traces" not in value:
+        keys = ", ".join(sorted(str(k) for k in list(value)[:8]))
+        raise SnapshotError(f"{where}: a pickled dict without 'segments' or 'device_traces' (keys: {keys})")
+    data = dict(value)
+    segments = data.get("segments") or []
+    traces = data.get("device_traces") or []
+    if not isinstance(segments, list) or not all(isinstance(s, dict) for s in segments):
+        raise SnapshotError(f"{where}: 'segments' is not a list of segment dicts")
+    if isinstance(traces, dict):  # some tools key traces by device
+        try:
+            size = max(int(k) for k in traces) + 1 if traces else 0
+        except (TypeError, ValueError):
+            raise SnapshotError(f"{where}: 'device_traces' keyed by something other than device numbers") from None
+        listed: list[list[dict[str, Any]]] = [[] for _ in range(size)]
+        for key, trace in traces.items():
+            listed[int(key)] = trace
+        traces = listed
+    if not isinstance(traces, list):
+        raise SnapshotError(f"{where}: 'device_traces' is not a list")
+    clean_traces: list[list[dict[str, Any]]] = []
+    for device, trace in enumerate(traces):
+        if trace is None:
+            trace = []
+        if not isinstance(trace, list):
+            raise SnapshotError(f"{where}: the trace of device {device} is not a list")
+        if trace and not (isinstance(trace[0], dict) and isinstance(trace[-1], dict)):
+            raise SnapshotError(f"{where}: the trace of device {device} holds non-dict events")
+        clean_traces.append(trace)
+    for segment in segments:
+        blocks = segment.get("blocks")
+        if blocks is None:
+            segment["blocks"] = []
+        elif not isinstance(blocks, list):
+            raise SnapshotError(f"{where}: a segment's 'blocks' is not a list")
+    data["segments"] = segments
+    data["device_traces"] = clean_traces
+    return data, layout
+
+
+def load_snapshot(
+    source: str | os.PathLike[str] | bytes,
+    *,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    progress: Callable[[int, int], None] | None = None,
+) -> Snapshot:
+    """Load a snapshot file of any known variant.
+
+    Args:
+        source: A path to a pickle (``.pickle``/``.pkl``, gzip-compressed or not) or a memory_viz ``.html``, or the
+            raw bytes of one.
+        max_bytes: Refuse files (and decompressed/decoded contents) larger than this.
+        progress: Called as ``progress(bytes_read, total_bytes)`` while reading a large file.
+
+    Returns:
+        The normalised :class:`Snapshot`.
+
+    Raises:
+        SnapshotError: Anything that is not a readable snapshot: missing file, directory, empty, truncated, too
+            large, not a pickle, a pickle that names Python objects, a pickle of something else.
+    """
+    if isinstance(source, (bytes, bytearray)):
+        path = None
+        where = "<bytes>"
+        raw = bytes(source)
+        if len(raw) > max_bytes:
+            raise SnapshotError(f"{where}: over the size limit of {format_bytes(max_bytes)}")
+    else:
+        path = Path(source)
+        where = str(path)
+        if not path.exists():
+            raise SnapshotError(f"{where}: no such file")
+        if path.is_dir():
+            raise SnapshotError(f"{where}: is a directory, not a snapshot file")
+        try:
+            raw = _read_capped(path, max_bytes, progress)
+        except OSError as error:
+            raise SnapshotError(f"{where}: cannot read ({_one_line(error.strerror or str(error))})") from None
+    if not raw:
+        raise SnapshotError(f"{where}: empty file")
+    container = "pickle"
+    if raw[:2] == b"\x1f\x8b":
+        raw = _gunzip_capped(raw, max_bytes, where)
+        container = "gzip"
+        if not raw:
+            raise SnapshotError(f"{where}: empty file inside the gzip")
+    head = raw[:512].lstrip()
+    if head[:1] == b"<" and (b"<html" in head.lower() or b"<!doctype" in head.lower() or b"<script" in raw[:4096]):
+        raw = _extract_from_html(raw, where, max_bytes)
+        container = "html"
+    else:
+        what = _describe_magic(raw[:16])
+        if what is not None:
+            raise SnapshotError(f"{where}: {what}, not a memory snapshot")
+    value = unpickle_restricted(raw, where)
+    del raw
+    data, layout = normalize(value, where)
+    return Snapshot(data=data, path=path, container=container, layout=layout)

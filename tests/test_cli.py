@@ -1,0 +1,214 @@
+"""The ``memtrace`` command: report, summary, diff, registered subcommands, and one-line errors with status 2."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_memtrace import cli
+
+SNAPSHOTS = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "snapshots"
+
+
+def snapshot_fixture(name: str) -> Path:
+    """A file of ../shared/fixtures/snapshots, or skip when the folder (or file) is absent."""
+    path = SNAPSHOTS / name
+    if not path.is_file():
+        pytest.skip(f"shared fixture {name} is absent")
+    return path
+
+
+def run_main(args: list[str]) -> int:
+    try:
+        return cli.main(args)
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+
+
+def assert_one_line_error(capsys: pytest.CaptureFixture[str], code: int, *fragments: str) -> str:
+    captured = capsys.readouterr()
+    assert code == 2
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("memtrace: error: ")
+    assert "Traceback" not in captured.err
+    for fragment in fragments:
+        assert fragment in lines[0]
+    return lines[0]
+
+
+def test_report_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "sub" / "report.html"
+    png = tmp_path / "timeline.png"
+    code = run_main(
+        ["report", str(snapshot_fixture("shreyansh26_profile_grad.pkl")), "-o", str(out), "--png", str(png)]
+    )
+    assert code == 0
+    assert out.is_file() and png.is_file()
+    assert "4,434,803,008" in out.read_text(encoding="utf-8")
+    assert f"wrote {out}" in capsys.readouterr().out
+
+
+def test_summary_command(capsys: pytest.CaptureFixture[str]) -> None:
+    code = run_main(["summary", str(snapshot_fixture("shreyansh26_profile_grad.pkl")), "--sites", "3"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "4,434,803,008" in out
+    assert "2,000,200,000" in out  # parameters
+    assert "400,000,000" in out  # inputs
+    assert "profile_grad.py:11" in out
+    assert "inferred from frames" in out
+    assert "peak 4.1 GiB (4,434,803,008 B) in forward" in out
+
+
+def test_diff_command_shows_the_extra_input(capsys: pytest.CaptureFixture[str]) -> None:
+    a = snapshot_fixture("shreyansh26_profile_no_grad.pkl")
+    b = snapshot_fixture("shreyansh26_profile_grad.pkl")
+    code = run_main(["diff", str(a), str(b)])
+    assert code == 0
+    out = capsys.readouterr().out
+    inputs_row = next(line for line in out.splitlines() if " inputs " in line)
+    assert "200,000,000 B" in inputs_row and "400,000,000 B" in inputs_row and "+200,000,000 B" in inputs_row
+    peak_row = next(line for line in out.splitlines() if "peak allocated" in line)
+    assert "4,234,803,008 B" in peak_row and "4,434,803,008 B" in peak_row and "+200,000,000 B" in peak_row
+
+
+def test_diff_api() -> None:
+    from lightning_memtrace.report import diff_sources, load_source
+
+    d = diff_sources(
+        load_source(snapshot_fixture("shreyansh26_profile_no_grad.pkl")),
+        load_source(snapshot_fixture("shreyansh26_profile_grad.pkl")),
+    )
+    row = d.by_category.set_index("category").loc["inputs"]
+    assert (int(row["a"]), int(row["b"]), int(row["delta"])) == (200_000_000, 400_000_000, 200_000_000)
+    assert int(d.by_category["delta"].sum()) == 200_000_000
+    assert int(d.summary.set_index("figure").loc["peak allocated", "delta"]) == 200_000_000
+
+
+def test_error_paths_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "r.html"
+    raw = snapshot_fixture("shreyansh26_profile_grad.pkl").read_bytes()
+    truncated = tmp_path / "cut.pkl"
+    truncated.write_bytes(raw[:5000])
+    assert_one_line_error(capsys, run_main(["report", str(truncated), "-o", str(out)]), "truncated")
+    empty = tmp_path / "empty.pkl"
+    empty.write_bytes(b"")
+    assert_one_line_error(capsys, run_main(["report", str(empty), "-o", str(out)]), "empty file")
+    png = tmp_path / "image.png"
+    png.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(100))
+    assert_one_line_error(capsys, run_main(["report", str(png), "-o", str(out)]), "PNG image")
+    assert_one_line_error(capsys, run_main(["report", str(tmp_path), "-o", str(out)]), "without MemTrace files")
+    assert_one_line_error(capsys, run_main(["summary", str(tmp_path / "nope.pkl")]), "no such file")
+    assert_one_line_error(capsys, run_main(["diff", str(empty), str(truncated)]), "empty file")
+    assert_one_line_error(capsys, run_main(["report", str(truncated), "--max-bytes", "lots"]), "not a size")
+    assert_one_line_error(capsys, run_main(["report"]), "required")
+    assert_one_line_error(capsys, run_main(["frobnicate"]), "invalid choice")
+    assert_one_line_error(
+        capsys,
+        run_main(
+            ["report", str(snapshot_fixture("shreyansh26_profile_grad.pkl")), "-o", str(out), "--max-bytes", "1KiB"]
+        ),
+        "size limit",
+    )
+    assert not out.exists()
+
+
+def test_builtin_subcommands() -> None:
+    parser = cli.build_parser()
+    choices = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert {"report", "summary", "diff"} <= set(choices)
+
+
+def test_registered_subcommand(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cli, "_REGISTERED", [])
+
+    def add_subcommand(subparsers) -> None:  # noqa: ANN001
+        parser = subparsers.add_parser("dummy", help="a subcommand registered by another module")
+        parser.add_argument("--batch", type=int, default=1)
+        parser.set_defaults(func=lambda args: print(f"batch={args.batch}") or 0)
+
+    cli.register_subcommand(add_subcommand)
+    assert run_main(["dummy", "--batch", "4"]) == 0
+    assert capsys.readouterr().out.strip() == "batch=4"
+
+    def failing(subparsers) -> None:  # noqa: ANN001
+        parser = subparsers.add_parser("boom")
+        parser.set_defaults(func=lambda args: (_ for _ in ()).throw(ValueError("bad\nvalue")))
+
+    cli.register_subcommand(failing)
+    assert_one_line_error(capsys, run_main(["boom"]), "bad value")
+
+
+def test_console_script_refuses_hostile_pickle(tmp_path: Path) -> None:
+    """The real entry point, in a subprocess: exit 2, one line, the command in the pickle never runs."""
+    marker = tmp_path / "marker"
+
+    class Evil:
+        def __reduce__(self):  # noqa: ANN204
+            return (os.system, (f"touch {marker}",))
+
+    evil = tmp_path / "evil.pickle"
+    evil.write_bytes(pickle.dumps(Evil()))
+    out = tmp_path / "r.html"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from lightning_memtrace.cli import main; sys.exit(main())",
+            "report",
+            str(evil),
+            "-o",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0
+    assert result.stderr.startswith("memtrace: error: ")
+    assert "refused" in result.stderr and "posix.system" in result.stderr
+    assert not marker.exists()
+    assert not out.exists()
+
+
+def test_summary_of_a_log_folder_with_only_the_csv(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_memtrace.phases_csv import PhaseCsvWriter
+    from lightning_memtrace.types import Phase, PhaseRecord
+
+    folder = tmp_path / "memtrace"
+    writer = PhaseCsvWriter(folder / "phases_rank0.csv")
+    for step, peak in ((0, 5_000_000), (1, 7_340_032)):
+        writer.write(
+            PhaseRecord(
+                step,
+                0,
+                step,
+                0,
+                Phase.AFTER_BACKWARD,
+                1.7e9 + step,
+                peak - 1000,
+                peak * 2,
+                peak,
+                1000,
+                2000,
+                3000,
+                4000,
+                0,
+                0,
+            )
+        )
+    writer.close()
+    assert run_main(["summary", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "per-phase peaks" in out
+    assert "7.0 MiB" in out
+    assert "highest peak in the phases table: 7.0 MiB (7,340,032 B) by after_backward of step 1 (rank 0)" in out
+    assert "no snapshot in the folder" in out

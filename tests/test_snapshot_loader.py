@@ -1,0 +1,223 @@
+"""The snapshot loader: every real variant loads, every bad input is refused with one line, no pickle runs code."""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import json
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+
+from lightning_memtrace.snapshot_loader import Snapshot, SnapshotError, load_snapshot, normalize
+
+SNAPSHOTS = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "snapshots"
+
+
+def snapshot_fixture(name: str) -> Path:
+    """A file of ../shared/fixtures/snapshots, or skip when the folder (or file) is absent."""
+    path = SNAPSHOTS / name
+    if not path.is_file():
+        pytest.skip(f"shared fixture {name} is absent")
+    return path
+
+
+# name -> (layout, segments, events, reserved bytes at dump time)
+FIXTURE_FACTS = {
+    "shreyansh26_profile_grad.pkl": ("dict", 7, 33, None),
+    "shreyansh26_profile_no_grad.pkl": ("dict", 7, 33, None),
+    "drisspg_mini_snapshot.pickle": ("dict", 14, 50, None),
+    "kkaitlyn111_memory_files_memory_ctx128_fullstep.pickle": ("dict", 1010, 19_342, 58_280 * 1024**2),
+    "MAGMA27_assignment2_memory_snapshot.pickle": ("dict", 216, 5_163, None),
+    "Muduard_memory_snapshot.pkl": ("segment-list", 255, 0, None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FIXTURE_FACTS))
+def test_every_fixture_loads(name: str) -> None:
+    layout, segments, events, reserved = FIXTURE_FACTS[name]
+    snap = load_snapshot(snapshot_fixture(name))
+    assert isinstance(snap, Snapshot)
+    assert snap.layout == layout
+    assert snap.container == "pickle"
+    assert len(snap.segments) == segments
+    assert snap.num_events == events
+    if reserved is not None:
+        assert sum(s["total_size"] for s in snap.segments) == reserved
+
+
+def test_fixture_details_from_readme() -> None:
+    grad = load_snapshot(snapshot_fixture("shreyansh26_profile_grad.pkl"))
+    sizes = {e["size"] for e in grad.device_traces[0] if e["action"] == "alloc"}
+    assert sizes == {2_000_000_000, 200_000, 200_000_000, 1_000_000_000, 33_554_432, 1_048_576}
+    # the 2e9 request sits in a 2,000,683,008 B block
+    blocks = {b["requested_size"]: b["size"] for s in grad.segments for b in s["blocks"]}
+    assert blocks[2_000_000_000] == 2_000_683_008
+
+    magma = load_snapshot(snapshot_fixture("MAGMA27_assignment2_memory_snapshot.pickle"))
+    assert not any(e["action"] == "segment_alloc" for e in magma.device_traces[0])
+    assert set(magma.allocator_settings) >= {"expandable_segments"}
+    assert any("\\" in f["filename"] for e in magma.device_traces[0][:50] for f in e.get("frames", []))
+
+    kk = load_snapshot(snapshot_fixture("kkaitlyn111_memory_files_memory_ctx128_fullstep.pickle"))
+    names = {a["name"] for a in kk.external_annotations}
+    assert "Optimizer.step#AdamW.step" in names
+    assert "Optimizer.zero_grad#AdamW.zero_grad" in names
+
+    mud = load_snapshot(snapshot_fixture("Muduard_memory_snapshot.pkl"))
+    assert mud.device_traces == []
+    assert {s["device"] for s in mud.segments} == {1}
+
+
+def test_gzip_and_bytes(tmp_path: Path) -> None:
+    source = snapshot_fixture("drisspg_mini_snapshot.pickle")
+    raw = source.read_bytes()
+    gz = tmp_path / "snap.pickle.gz"
+    gz.write_bytes(gzip.compress(raw))
+    snap = load_snapshot(gz)
+    assert snap.container == "gzip"
+    assert snap.num_events == 50
+    assert len(snap.segments) == 14
+    assert load_snapshot(raw).num_events == 50
+
+
+def test_memory_viz_html(tmp_path: Path) -> None:
+    from torch.cuda import _memory_viz
+
+    data = pickle.loads(snapshot_fixture("shreyansh26_profile_grad.pkl").read_bytes())
+    page = tmp_path / "viz.html"
+    page.write_text(_memory_viz.trace_plot(data))
+    snap = load_snapshot(page)
+    assert snap.container == "html"
+    assert snap.num_events == 33
+    assert len(snap.segments) == 7
+
+
+def test_html_handwritten_variant(tmp_path: Path) -> None:
+    payload = pickle.dumps({"segments": [], "device_traces": [[{"action": "alloc", "addr": 1, "size": 5}]]})
+    files = json.dumps([{"name": "x.pickle", "base64": base64.b64encode(payload).decode()}])
+    page = tmp_path / "v.html"
+    page.write_text(f"<!DOCTYPE html><html><body><script>const local_files = {files}</script></body></html>")
+    assert load_snapshot(page).num_events == 1
+
+
+def test_older_formats_and_devices() -> None:
+    # no time_us, several devices, traces keyed by device, lone free_completed
+    old = {
+        "segments": [{"device": 1, "address": 10, "total_size": 100, "blocks": []}],
+        "device_traces": {1: [{"action": "free_completed", "addr": 5, "size": 3}]},
+    }
+    data, layout = normalize(old)
+    assert layout == "dict"
+    assert data["device_traces"] == [[], [{"action": "free_completed", "addr": 5, "size": 3}]]
+    data, layout = normalize([{"address": 1, "total_size": 8, "blocks": [{"address": 1, "size": 8, "state": "x"}]}])
+    assert layout == "segment-list"
+    assert data["device_traces"] == []
+
+
+class _Evil:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):  # noqa: ANN204
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_hostile_pickle_is_refused_and_not_run(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "evil.pkl"
+    evil.write_bytes(pickle.dumps({"segments": [], "device_traces": [], "x": _Evil(marker)}))
+    with pytest.raises(SnapshotError) as info:
+        load_snapshot(evil)
+    message = str(info.value)
+    assert "\n" not in message
+    assert "refused" in message and "system" in message
+    assert not marker.exists()
+    # gzip-wrapped and HTML-embedded variants are refused the same way
+    gz = tmp_path / "evil.pickle.gz"
+    gz.write_bytes(gzip.compress(evil.read_bytes()))
+    with pytest.raises(SnapshotError, match="refused"):
+        load_snapshot(gz)
+    assert not marker.exists()
+
+
+class Foreign:
+    """A class no snapshot holds."""
+
+    def __init__(self) -> None:
+        self.value = 1
+
+
+def test_foreign_object_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "foreign.pkl"
+    path.write_bytes(pickle.dumps({"segments": [Foreign()], "device_traces": []}))
+    with pytest.raises(SnapshotError, match=r"refused.*Foreign"):
+        load_snapshot(path)
+
+
+def test_plain_sets_and_tuples_are_fine(tmp_path: Path) -> None:
+    for protocol in (2, 4, 5):
+        path = tmp_path / f"p{protocol}.pkl"
+        value = {"segments": [], "device_traces": [[]], "extra": {1, 2}, "t": (1, 2), "f": frozenset({3})}
+        path.write_bytes(pickle.dumps(value, protocol=protocol))
+        assert load_snapshot(path).data["extra"] == {1, 2}
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        (b"", "empty file"),
+        (b"\x89PNG\r\n\x1a\n" + b"\x00" * 64, "PNG image"),
+        (b"hello, this is text", "not a pickle"),
+        (pickle.dumps(12345), "not a memory snapshot"),
+        (pickle.dumps({"a": 1}), "without 'segments'"),
+        (pickle.dumps([1, 2, 3]), "not of memory segments"),
+    ],
+)
+def test_bad_inputs_one_line(tmp_path: Path, content: bytes, match: str) -> None:
+    path = tmp_path / "bad.pkl"
+    path.write_bytes(content)
+    with pytest.raises(SnapshotError, match=match) as info:
+        load_snapshot(path)
+    assert "\n" not in str(info.value)
+
+
+def test_truncated_directory_missing_and_size_limit(tmp_path: Path) -> None:
+    raw = snapshot_fixture("shreyansh26_profile_grad.pkl").read_bytes()
+    cut = tmp_path / "cut.pkl"
+    cut.write_bytes(raw[: len(raw) // 2])
+    with pytest.raises(SnapshotError, match="truncated") as info:
+        load_snapshot(cut)
+    assert "\n" not in str(info.value)
+    cut_gz = tmp_path / "cut.pkl.gz"
+    cut_gz.write_bytes(gzip.compress(raw)[:200])
+    with pytest.raises(SnapshotError, match="truncated"):
+        load_snapshot(cut_gz)
+    with pytest.raises(SnapshotError, match="is a directory"):
+        load_snapshot(tmp_path)
+    with pytest.raises(SnapshotError, match="no such file"):
+        load_snapshot(tmp_path / "missing.pkl")
+    whole = tmp_path / "whole.pkl"
+    whole.write_bytes(raw)
+    with pytest.raises(SnapshotError, match="size limit") as info:
+        load_snapshot(whole, max_bytes=1000)
+    assert f"{len(raw)}" not in str(info.value) or "limit" in str(info.value)
+    bomb = tmp_path / "bomb.pkl.gz"
+    bomb.write_bytes(gzip.compress(b"\x80\x04" + b"N" * 5_000_000))
+    with pytest.raises(SnapshotError, match="decompresses to over the size limit"):
+        load_snapshot(bomb, max_bytes=1_000_000)
+
+
+def test_progress_callback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import lightning_memtrace.snapshot_loader as loader
+
+    monkeypatch.setattr(loader, "PROGRESS_THRESHOLD_BYTES", 1)
+    monkeypatch.setattr(loader, "_CHUNK", 4096)
+    seen: list[tuple[int, int]] = []
+    path = snapshot_fixture("drisspg_mini_snapshot.pickle")
+    load_snapshot(path, progress=lambda done, total: seen.append((done, total)))
+    size = path.stat().st_size
+    assert seen[-1] == (size, size)
+    assert len(seen) == -(-size // 4096)
