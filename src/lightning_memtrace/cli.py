@@ -128,7 +128,7 @@ def _add_report(subparsers: Any) -> None:
     parser.add_argument("path", help="snapshot (.pickle/.pkl, gzip, memory_viz .html) or MemTrace log folder")
     parser.add_argument("-o", "--output", default="report.html", help="HTML file to write (default: report.html)")
     parser.add_argument("--png", default=None, help="also write the timeline as a PNG here")
-    parser.add_argument("--max-bytes", type=_bytes_arg, default=None, help="refuse files larger than this (8GiB)")
+    parser.add_argument("--max-bytes", "--max-size", dest="max_bytes", type=_bytes_arg, default=None, help="refuse files larger than this (default 8GiB)")
     parser.add_argument(
         "--max-points", type=_positive_int, default=None, help="points per series in the browser chart (default 4000)"
     )
@@ -163,7 +163,7 @@ def _add_summary(subparsers: Any) -> None:
     parser = subparsers.add_parser("summary", help="print the report's findings as terminal tables")
     parser.add_argument("path", help="snapshot or MemTrace log folder")
     parser.add_argument("--sites", type=_positive_int, default=10, help="allocation sites to list (default 10)")
-    parser.add_argument("--max-bytes", type=_bytes_arg, default=None, help="refuse files larger than this (8GiB)")
+    parser.add_argument("--max-bytes", "--max-size", dest="max_bytes", type=_bytes_arg, default=None, help="refuse files larger than this (default 8GiB)")
     parser.set_defaults(func=_cmd_summary)
 
 
@@ -255,7 +255,7 @@ def _add_diff(subparsers: Any) -> None:
     parser.add_argument("a", help="first snapshot or log folder (A)")
     parser.add_argument("b", help="second snapshot or log folder (B)")
     parser.add_argument("--sites", type=_positive_int, default=10, help="allocation sites to list (default 10)")
-    parser.add_argument("--max-bytes", type=_bytes_arg, default=None, help="refuse files larger than this (8GiB)")
+    parser.add_argument("--max-bytes", "--max-size", dest="max_bytes", type=_bytes_arg, default=None, help="refuse files larger than this (default 8GiB)")
     parser.set_defaults(func=_cmd_diff)
 
 

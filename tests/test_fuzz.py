@@ -1,0 +1,104 @@
+"""Mutated real snapshots thrown at the loader and the replay for a bounded time: the one-line error or a result."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import random
+import time
+from contextlib import redirect_stderr
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import FIXTURES
+from lightning_memtrace import MemoryRecorder
+from lightning_memtrace.cli import main as memtrace_main
+from lightning_memtrace.replay import replay
+from lightning_memtrace.snapshot_loader import SnapshotError, load_snapshot
+
+SEEDS = ["shreyansh26_profile_grad.pkl", "drisspg_mini_snapshot.pickle", "Muduard_memory_snapshot.pkl"]
+BUDGET_S = 20.0
+
+
+def _memtrace_snapshot(tmp_path: Path) -> bytes:
+    model = torch.nn.Linear(32, 32)
+    optimizer = torch.optim.AdamW(model.parameters())
+    with MemoryRecorder(model, [optimizer], output_dir=tmp_path, history_skip_steps=0, history_steps=1) as recorder:
+        recorder.begin_batch(torch.randn(4, 32), step=0)
+        model(torch.randn(4, 32)).sum().backward()
+        recorder.mark_backward_done()
+        optimizer.step()
+        recorder.end_batch()
+    return (tmp_path / "snapshot_rank0_steps0-0.pickle").read_bytes()
+
+
+def _mutate(data: bytes, rng: random.Random) -> bytes:
+    buf = bytearray(data)
+    for _ in range(rng.randint(1, 8)):
+        kind = rng.random()
+        position = rng.randrange(max(1, len(buf)))
+        if kind < 0.4 and buf:
+            buf[position] = rng.randrange(256)
+        elif kind < 0.6:
+            del buf[position : position + rng.randint(1, 64)]
+        elif kind < 0.8:
+            buf[position:position] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 16)))
+        else:
+            buf = buf[: rng.randrange(max(1, len(buf)))]
+    return bytes(buf)
+
+
+def _run_cli(argv: list[str]) -> tuple[int, io.StringIO]:
+    err = io.StringIO()
+    with redirect_stderr(err):
+        try:
+            code = memtrace_main(argv)
+        except SystemExit as exit_:
+            code = int(exit_.code or 0)
+    return code, err
+
+
+def test_mutated_snapshots_never_crash_loader_or_replay(tmp_path):
+    seeds = [_memtrace_snapshot(tmp_path)]
+    seeds += [(FIXTURES / name).read_bytes() for name in SEEDS if (FIXTURES / name).is_file()]
+    seeds.append(gzip.compress(seeds[0]))
+    rng = random.Random(1234)
+    deadline = time.monotonic() + BUDGET_S
+    outcomes = {"loaded": 0, "refused": 0}
+    while time.monotonic() < deadline:
+        data = _mutate(rng.choice(seeds), rng)
+        try:
+            snapshot = load_snapshot(data)
+        except SnapshotError as error:
+            message = str(error)
+            assert message and "\n" not in message and "Traceback" not in message
+            outcomes["refused"] += 1
+            continue
+        replay(snapshot)  # anything the loader accepts replays without an exception
+        outcomes["loaded"] += 1
+    assert outcomes["refused"] > 50
+    assert sum(outcomes.values()) > 100
+
+
+def test_cli_one_line_error_on_mutated_files(tmp_path):
+    seed = _memtrace_snapshot(tmp_path)
+    rng = random.Random(7)
+    for index in range(15):
+        path = tmp_path / f"mutated{index}.pickle"
+        path.write_bytes(_mutate(seed, rng))
+        code, err = _run_cli(["summary", str(path)])
+        if code != 0:
+            assert code == 2
+            lines = err.getvalue().strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith("memtrace: error:"), err.getvalue()
+
+
+def test_huge_file_refused_before_loading(tmp_path):
+    path = tmp_path / "huge.pickle"
+    with open(path, "wb") as handle:
+        handle.truncate(3 * 1024**2)  # sparse: no disk used
+    code, err = _run_cli(["summary", str(path), "--max-size", "1MiB"])
+    assert code == 2
+    assert "size limit" in err.getvalue() and len(err.getvalue().strip().splitlines()) == 1
