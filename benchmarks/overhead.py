@@ -127,7 +127,10 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--variants", default="plain,memtrace_counters,memtrace,torch_memtracker,profiler_memory")
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     import logging
 
@@ -143,7 +146,8 @@ def main() -> int:
                     print(f"{variant}: failed ({type(error).__name__}: {error})", file=sys.stderr)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     base = statistics.median(times["plain"])
-    print(f"device={device} torch={torch.__version__} steps/round={args.steps - args.warmup} rounds={args.rounds} "
+    print(f"device={device} torch={torch.__version__} threads={torch.get_num_threads()} "
+          f"steps/round={args.steps - args.warmup} rounds={args.rounds} "
           f"batch={args.batch_size}x{args.seq_len}")
     print(f"{'variant':<20}{'median step (ms)':>18}{'ratio vs plain':>16}")
     for variant in variants:

@@ -24,12 +24,30 @@ _EXPORTS = {
     "write_report": "lightning_memtrace.report",
     "load_snapshot": "lightning_memtrace.snapshot_loader",
     "SnapshotError": "lightning_memtrace.snapshot_loader",
+    "estimate": "lightning_memtrace.estimator",
+    "estimate_for_module": "lightning_memtrace.estimator",
+    "estimate_from_config": "lightning_memtrace.estimator",
+    "find_max_batch": "lightning_memtrace.estimator",
+    "compare_estimate": "lightning_memtrace.estimator",
+    "Estimate": "lightning_memtrace.estimator",
+    "ClosedForm": "lightning_memtrace.estimator",
+    "InputSpec": "lightning_memtrace.estimator",
 }
 
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     from lightning_memtrace.callback import MemTrace
+    from lightning_memtrace.estimator import (
+        ClosedForm,
+        Estimate,
+        InputSpec,
+        compare_estimate,
+        estimate,
+        estimate_for_module,
+        estimate_from_config,
+        find_max_batch,
+    )
     from lightning_memtrace.phases_csv import load_phases
     from lightning_memtrace.recorder import MemoryRecorder, MemTraceWarning
     from lightning_memtrace.report import write_report

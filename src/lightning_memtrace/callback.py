@@ -131,6 +131,10 @@ class MemTrace(Callback):
             ``log_every_n_steps``.
         report: At the end of fit, rank zero writes ``report.html`` (self-contained, works offline) and
             ``timeline.png`` into the folder, and logs the PNG to TensorBoard as ``memtrace/timeline``.
+        estimate: Before the first step, estimate the run on fake tensors from the real module and first batch (no
+            real memory), print it and log ``memtrace/estimate/<category>`` and ``memtrace/estimate/peak`` (MiB); at
+            the end write ``estimate_vs_measured_rank<R>.csv`` (per category: estimated and measured bytes, error in
+            percent), which the report shows. Automatic optimization only.
     """
 
     def __init__(
@@ -150,6 +154,7 @@ class MemTrace(Callback):
         gather_ranks: bool = True,
         gather_every_n_steps: int | None = None,
         report: bool = True,
+        estimate: bool = False,
     ) -> None:
         self.dirpath = Path(dirpath) if dirpath is not None else None
         self.track_allocations = track_allocations
@@ -167,6 +172,9 @@ class MemTrace(Callback):
         self.gather_every_n_steps = gather_every_n_steps
         self.report = report
         self.report_path: Path | None = None
+        self.estimate = estimate
+        self.estimated: Any = None
+        self.estimate_comparison: Any = None
 
         self.recorder: MemoryRecorder | None = None
         self.output_dir: Path | None = None
@@ -279,6 +287,8 @@ class MemTrace(Callback):
 
     @_guarded
     def _begin_train_batch(self, trainer: pl.Trainer, batch: Any, batch_idx: int) -> None:
+        if self.estimate and self.estimated is None and trainer.lightning_module.automatic_optimization:
+            self._estimate(trainer, batch)
         if self.recorder is not None:
             self.recorder.begin_batch(batch, trainer.global_step, trainer.current_epoch, batch_idx, training=True)
 
@@ -391,8 +401,49 @@ class MemTrace(Callback):
     @_guarded
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._finish()
+        self._write_estimate_comparison()
         if self.report and trainer.is_global_zero:
             self._write_report(trainer)
+
+    def _estimate(self, trainer: pl.Trainer, batch: Any) -> None:
+        """Estimate this run on fake tensors from the real module and its first batch; log it."""
+        from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+        from lightning_memtrace.estimator import estimate_for_module
+
+        self.estimated = False
+        try:
+            estimate = estimate_for_module(
+                trainer.lightning_module,
+                batch,
+                precision=trainer.precision,
+                accumulate_grad_batches=trainer.accumulate_grad_batches,
+            )
+        except Exception as error:
+            rank_zero_warn(f"MemTrace could not estimate this run ({type(error).__name__}: {error}); measuring only.")
+            return
+        self.estimated = estimate
+        rank_zero_info(f"MemTrace estimate (fake tensors, before the first step):\n{estimate.table()}")
+        metrics = {
+            f"memtrace/estimate/{getattr(name, 'value', name)}": value / MIB for name, value in estimate.category_bytes().items()
+        }
+        metrics["memtrace/estimate/peak"] = estimate.peak_bytes / MIB
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+    def _write_estimate_comparison(self) -> None:
+        estimate, folder = self.estimated, self.output_dir
+        if not estimate or folder is None or not any(folder.glob(f"phases_rank{self._rank}.csv")):
+            return
+        from lightning_memtrace.estimator import compare_estimate, comparison_path, write_comparison_csv
+        from lightning_memtrace.phases_csv import load_phases
+
+        try:
+            phases = load_phases(folder / f"phases_rank{self._rank}.csv")
+            self.estimate_comparison = compare_estimate(estimate, phases)
+            write_comparison_csv(self.estimate_comparison, comparison_path(folder, self._rank))
+        except Exception as error:
+            rank_zero_warn(f"MemTrace could not compare the estimate with the run: {error}")
 
     def _write_report(self, trainer: pl.Trainer) -> None:
         folder = self.output_dir

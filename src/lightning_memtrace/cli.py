@@ -27,7 +27,7 @@ PROG = "memtrace"
 ERROR_EXIT = 2
 
 #: Modules that may define ``add_subcommand(subparsers)``; missing ones are skipped.
-SUBCOMMAND_MODULES: tuple[str, ...] = ("lightning_memtrace.estimate_cli", "lightning_memtrace.estimate")
+SUBCOMMAND_MODULES: tuple[str, ...] = ("lightning_memtrace.estimate_cli",)
 
 SubcommandAdder = Callable[[Any], None]
 _REGISTERED: list[SubcommandAdder] = []

@@ -807,6 +807,13 @@ def render_html(
             for s in source.snapshots
         ]
         sections.append("<h2>All snapshots</h2>" + _table(pd.DataFrame(rows), {"events", "peak"}))
+    for estimate_csv in sorted(source.path.glob("**/estimate_vs_measured_rank*.csv")) if source.path.is_dir() else []:
+        try:
+            comparison = pd.read_csv(estimate_csv)
+        except Exception:  # a comparison that cannot be read is left out, the report stands without it
+            continue
+        numeric = {c for c in comparison.columns if c.endswith(("_bytes", "_percent"))}
+        sections.append(f"<h2>Estimate vs measured ({_esc(estimate_csv.name)})</h2>" + _table(comparison, numeric))
     for s in source.snapshots:
         if s.oom_text:
             sections.append(f"<h2>Out of memory: {_esc(s.path.name)}</h2><pre>{_esc(s.oom_text)}</pre>")

@@ -1,0 +1,227 @@
+"""``memtrace estimate``: will a fine-tuning run fit, by category, before any GPU or weight is involved.
+
+Usage::
+
+    memtrace estimate --config qwen2.5-1.5b.json --batch-size 16 --seq-len 256 --device-memory 80GiB
+    memtrace estimate --config path/to/model_folder --seq-len 2048 --precision bf16-mixed \\
+        --gradient-checkpointing --device-memory 80GiB --find-max-batch
+
+The model is built from its Hugging Face config on the meta device and trained for a few steps on fake tensors
+(:func:`lightning_memtrace.estimator.estimate_from_config`). Exit status: 0 when it fits (or no budget was given),
+1 when it does not fit (or no batch size fits), 2 on an error (one line ``memtrace: error: ...`` on stderr).
+
+Standalone: ``python -m lightning_memtrace.estimate_cli --config ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from lightning_memtrace.units import format_bytes, parse_bytes
+
+PROG = "memtrace"
+ERROR_EXIT = 2
+NOT_FIT_EXIT = 1
+PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "bf16-true", "16-true")
+
+
+def _size(text: str) -> int:
+    try:
+        value = parse_bytes(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 80GiB, 24GB, 512MiB)") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"not a positive size: {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"not a positive integer: {text!r}")
+    return value
+
+
+def _configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config",
+        required=True,
+        help="a Hugging Face config.json, a folder holding one, or a hub id (where the network allows)",
+    )
+    parser.add_argument(
+        "--batch-size", type=_positive_int, default=None, help="micro-batch size (required unless --find-max-batch)"
+    )
+    parser.add_argument("--seq-len", type=_positive_int, required=True, help="tokens per sequence")
+    parser.add_argument("--optimizer", choices=("adamw", "adam", "sgd"), default="adamw")
+    parser.add_argument("--precision", choices=PRECISIONS, default="32-true", help="Lightning's precision setting")
+    parser.add_argument("--gradient-checkpointing", action="store_true", help="non-reentrant activation checkpointing")
+    parser.add_argument("--accumulate-grad-batches", type=_positive_int, default=1)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="the device to estimate for")
+    parser.add_argument(
+        "--device-memory",
+        type=_size,
+        default=None,
+        help="memory of the device, e.g. 80GiB (1024-based) or 80GB (1000-based)",
+    )
+    parser.add_argument(
+        "--find-max-batch", action="store_true", help="search the largest micro-batch that fits in --device-memory"
+    )
+    parser.add_argument(
+        "--max-batch-size",
+        type=_positive_int,
+        default=4096,
+        help="upper end of the --find-max-batch search (default 4096)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
+
+
+def add_estimate_subcommand(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``estimate`` to a ``memtrace`` subparsers object; its handler is :func:`run_estimate` (``func``)."""
+    parser = subparsers.add_parser(
+        "estimate",
+        help="estimate the memory of a training step from a model config (no GPU, no weights)",
+        description="Estimate per phase and per category the memory of training a Hugging Face causal LM, by running "
+        "real training steps on fake tensors. Exit status 0: fits, 1: does not fit, 2: error.",
+    )
+    _configure(parser)
+    parser.set_defaults(func=run_estimate)
+    return parser
+
+
+#: The name ``lightning_memtrace.cli`` looks for in the modules it lists.
+add_subcommand = add_estimate_subcommand
+
+
+def _error(message: str) -> int:
+    line = " ".join(str(message).split())
+    sys.stderr.write(f"{PROG}: error: {line}\n")
+    sys.stderr.flush()
+    return ERROR_EXIT
+
+
+def run_estimate(args: argparse.Namespace) -> int:
+    """Run ``memtrace estimate``; returns the exit status (never raises, never prints a traceback)."""
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        return _error("interrupted")
+    except (ValueError, OSError, KeyError, TypeError, ModuleNotFoundError, json.JSONDecodeError) as error:
+        return _error(f"{error}")
+    except Exception as error:  # noqa: BLE001 - last resort: one line, never a traceback
+        return _error(f"{type(error).__name__}: {error}")
+
+
+def _run(args: argparse.Namespace) -> int:
+    import warnings
+
+    from lightning_memtrace.estimator import build_meta_model, estimate_from_config, find_max_batch
+
+    if args.batch_size is None and not args.find_max_batch:
+        raise ValueError("--batch-size is required (or use --find-max-batch with --device-memory)")
+    if args.find_max_batch and args.device_memory is None:
+        raise ValueError("--find-max-batch needs --device-memory")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            model = build_meta_model(args.config)
+        except (OSError, ValueError) as error:
+            raise ValueError(f"cannot read the model config {args.config!r}: {str(error).splitlines()[0]}") from None
+
+        def run(batch_size: int) -> Any:
+            return estimate_from_config(
+                args.config,
+                batch_size,
+                args.seq_len,
+                optimizer=args.optimizer,
+                precision=args.precision,
+                gradient_checkpointing=args.gradient_checkpointing,
+                accumulate_grad_batches=args.accumulate_grad_batches,
+                device=args.device,
+                model=model,
+            )
+
+        search = None
+        estimates: dict[int, Any] = {}
+        if args.find_max_batch:
+
+            def peak_for(size: int) -> int:
+                estimates[size] = run(size)
+                return estimates[size].peak_bytes
+
+            search = find_max_batch(peak_for, args.device_memory, low=1, high=args.max_batch_size)
+        shown_size = args.batch_size if args.batch_size is not None else (search.batch_size if search else None)
+        shown = None
+        if shown_size:
+            shown = estimates.get(shown_size) or run(shown_size)
+
+    fits = shown.fits(args.device_memory) if shown is not None and args.device_memory is not None else None
+    if args.json:
+        payload: dict[str, Any] = {"estimate": shown.as_dict() if shown is not None else None}
+        if args.device_memory is not None:
+            payload["device_memory"] = args.device_memory
+            payload["fits"] = fits
+        if search is not None:
+            payload["max_batch_size"] = search.batch_size
+            payload["searched_peaks"] = {str(k): v for k, v in search.peaks.items()}
+        print(json.dumps(payload, indent=2))
+    else:
+        if shown is not None:
+            print(shown.table())
+        if fits is not None and shown is not None:
+            budget = format_bytes(args.device_memory)
+            if fits:
+                print(
+                    f"fits in {budget}: peak {format_bytes(shown.peak_bytes)}, "
+                    f"{format_bytes(args.device_memory - shown.peak_bytes)} to spare"
+                )
+            else:
+                print(
+                    f"does not fit in {budget}: peak {format_bytes(shown.peak_bytes)}, "
+                    f"{format_bytes(shown.peak_bytes - args.device_memory)} over"
+                )
+        if search is not None:
+            budget = format_bytes(args.device_memory)
+            if search.batch_size == 0:
+                print(f"no micro-batch fits in {budget} (batch 1 peaks at {format_bytes(search.peaks.get(1, 0))})")
+            else:
+                more = " (the search's upper end: larger may fit)" if search.capped else ""
+                nxt = search.peaks.get(search.batch_size + 1)
+                after = f"; {search.batch_size + 1} peaks at {format_bytes(nxt)}" if nxt is not None else ""
+                print(
+                    f"largest micro-batch that fits in {budget}: {search.batch_size}{more} "
+                    f"(peak {format_bytes(search.peaks[search.batch_size])}{after})"
+                )
+        print("estimate of allocated bytes; on CUDA leave room for the context, cuBLAS workspace and fragmentation")
+    if search is not None and search.batch_size == 0:
+        return NOT_FIT_EXIT
+    if fits is False:
+        return NOT_FIT_EXIT
+    return 0
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise SystemExit(_error(f"{message} (see '{self.prog} --help')"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The standalone parser (``python -m lightning_memtrace.estimate_cli``)."""
+    parser = _Parser(prog=f"{PROG} estimate", description=(__doc__ or "").splitlines()[0])
+    _configure(parser)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run_estimate(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,166 @@
+"""``memtrace estimate``: the table, fits / does not fit, the max-batch search and one-line errors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_memtrace.estimate_cli import add_estimate_subcommand, main, run_estimate
+from lightning_memtrace.estimator import build_meta_model, estimate_from_config
+from lightning_memtrace.models import TINY_QWEN2_CONFIG
+
+CONFIGS = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "configs"
+TINY = str(CONFIGS / "qwen2-tiny.json")
+TINY_PARAM_BYTES = 13_714_432
+ONE_LAYER = dict(TINY_QWEN2_CONFIG, num_hidden_layers=1)
+ONE_LAYER_PARAM_BYTES = 5_002_240
+
+
+@pytest.fixture(scope="module")
+def one_layer(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("configs") / "one_layer.json"
+    path.write_text(json.dumps(ONE_LAYER))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_peaks(one_layer) -> dict[int, int]:
+    model = build_meta_model(one_layer)
+    return {b: estimate_from_config(one_layer, b, 128, model=model).peak_bytes for b in (4, 5, 6)}
+
+
+def test_table_and_fits(capsys, tiny_peaks, one_layer):
+    budget = tiny_peaks[4] + 1
+    assert main(["--config", one_layer, "--batch-size", "4", "--seq-len", "128", "--device-memory", str(budget)]) == 0
+    out = capsys.readouterr().out
+    assert "after_forward" in out and "optimizer_state" in out
+    assert f"{ONE_LAYER_PARAM_BYTES:,} B" in out
+    assert f"{2 * ONE_LAYER_PARAM_BYTES:,} B" in out  # AdamW state on CUDA: step scalars are host memory
+    assert f"({tiny_peaks[4]:,} B)" in out
+    assert "fits in" in out and "does not fit" not in out
+
+
+def test_does_not_fit_exits_1(capsys, tiny_peaks, one_layer):
+    budget = tiny_peaks[4] - 1
+    assert main(["--config", one_layer, "--batch-size", "4", "--seq-len", "128", "--device-memory", str(budget)]) == 1
+    assert "does not fit in" in capsys.readouterr().out
+
+
+def test_find_max_batch(capsys, tiny_peaks, one_layer):
+    budget = (tiny_peaks[5] + tiny_peaks[6]) // 2
+    code = main(
+        [
+            "--config",
+            one_layer,
+            "--seq-len",
+            "128",
+            "--device-memory",
+            str(budget),
+            "--find-max-batch",
+            "--max-batch-size",
+            "64",
+            "--json",
+        ]
+    )
+    assert code == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert payload["max_batch_size"] == 5
+    assert payload["fits"] is True
+    assert payload["estimate"]["batch_size"] == 5
+    assert payload["estimate"]["peak_bytes"] == tiny_peaks[5]
+    assert payload["searched_peaks"]["6"] == tiny_peaks[6]
+    assert payload["estimate"]["categories"]["parameters"] == ONE_LAYER_PARAM_BYTES
+    assert sorted(int(k) for k in payload["searched_peaks"]) == [1, 2, 4, 5, 6, 8]  # doubling, then bisection
+
+
+def test_options_reach_the_estimate(capsys, one_layer):
+    code = main(
+        [
+            "--config",
+            one_layer,
+            "--batch-size",
+            "2",
+            "--seq-len",
+            "32",
+            "--optimizer",
+            "sgd",
+            "--precision",
+            "bf16-true",
+            "--gradient-checkpointing",
+            "--device",
+            "cpu",
+            "--json",
+        ]
+    )
+    assert code == 0
+    data = json.loads(capsys.readouterr().out)["estimate"]
+    assert data["optimizer"] == "SGD" and data["precision"] == "bf16-true" and data["gradient_checkpointing"]
+    assert data["categories"]["parameters"] == ONE_LAYER_PARAM_BYTES // 2
+    assert data["categories"]["optimizer_state"] == ONE_LAYER_PARAM_BYTES // 2  # momentum buffers, bf16
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--config", "/no/such/config.json", "--batch-size", "1", "--seq-len", "8"], "no such config"),
+        (["--config", TINY, "--seq-len", "8"], "--batch-size is required"),
+        (["--config", TINY, "--seq-len", "8", "--find-max-batch"], "needs --device-memory"),
+        (["--config", str(CONFIGS), "--batch-size", "1", "--seq-len", "8"], "cannot read the model config"),
+    ],
+)
+def test_errors_are_one_line(capsys, argv, message):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("memtrace: error: ") and message in err[0]
+
+
+def test_bad_arguments_are_one_line(capsys):
+    with pytest.raises(SystemExit) as raised:
+        main(["--config", TINY, "--batch-size", "0", "--seq-len", "8"])
+    assert raised.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not a positive integer" in err[0]
+    with pytest.raises(SystemExit):
+        main(["--config", TINY, "--batch-size", "1", "--seq-len", "8", "--device-memory", "lots"])
+    assert "not a size" in capsys.readouterr().err
+
+
+def test_subcommand_wiring():
+    parser = argparse.ArgumentParser(prog="memtrace")
+    subparsers = parser.add_subparsers(dest="command")
+    add_estimate_subcommand(subparsers)
+    args = parser.parse_args(
+        ["estimate", "--config", TINY, "--batch-size", "3", "--seq-len", "16", "--device-memory", "80GiB"]
+    )
+    assert args.func is run_estimate
+    assert args.device_memory == 80 * 1024**3 and args.batch_size == 3 and args.optimizer == "adamw"
+
+
+def test_standalone_module_runs():
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lightning_memtrace.estimate_cli",
+            "--config",
+            TINY,
+            "--batch-size",
+            "2",
+            "--seq-len",
+            "16",
+            "--device-memory",
+            "1GiB",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "fits in 1.0 GiB" in out.stdout
+    assert "Traceback" not in out.stderr
