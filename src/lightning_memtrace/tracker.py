@@ -253,7 +253,8 @@ class AllocationTracker:
         nbytes = storage.nbytes()
         if nbytes == 0:
             return False
-        addr = storage.data_ptr()
+        # Meta and fake storages have no memory; asking fake ones for a pointer warns (and will raise).
+        addr = 0 if device.type == "meta" else storage.data_ptr()
         if addr == 0:
             # Meta and fake storages have no address: give each a distinct one so snapshots stay well formed.
             self._fake_addr += 512 + (nbytes + 511) // 512 * 512
