@@ -168,11 +168,18 @@ def _add_summary(subparsers: Any) -> None:
 
 
 def _cmd_summary(args: argparse.Namespace) -> int:
+    from rich.markup import escape
     from rich.table import Table
 
     from lightning_memtrace.findings import compute_findings
     from lightning_memtrace.replay import CATEGORY_LABELS
-    from lightning_memtrace.report import compute_findings_phases_only, load_source, phase_peaks_table
+    from lightning_memtrace.report import (
+        add_rank_finding,
+        compute_findings_phases_only,
+        load_source,
+        phase_peaks_table,
+        rank_overview,
+    )
 
     with _progress() as progress:
         source = load_source(args.path, progress=progress, **_loader_kwargs(args))
@@ -231,6 +238,28 @@ def _cmd_summary(args: argparse.Namespace) -> int:
     else:
         assert source.phases is not None
         findings = compute_findings_phases_only(source.phases)
+    overview = rank_overview(source)
+    if overview is not None:
+        add_rank_finding(findings, overview)
+        ranks = Table(title="per-rank peaks")
+        ranks.add_column("rank", justify="right")
+        ranks.add_column("snapshot")
+        ranks.add_column("peak (snapshot)", justify="right")
+        ranks.add_column("exact", justify="right")
+        for phase in overview.phase_columns:
+            ranks.add_column(f"max {phase} (CSV)", justify="right")
+        for r in overview.ranks:
+            ranks.add_row(
+                str(r.rank),
+                escape(r.snapshot.path.name) if r.snapshot is not None else "(none)",
+                format_bytes(r.peak_bytes) if r.peak_bytes is not None else "",
+                f"{r.peak_bytes:,} B" if r.peak_bytes is not None else "",
+                *[format_bytes(r.phase_peaks[p]) if p in r.phase_peaks else "" for p in overview.phase_columns],
+            )
+        console.print(ranks)
+        if overview.imbalance is not None:
+            imb = overview.imbalance
+            console.print(f"rank imbalance ({imb.basis}, max - min): {imb.sentence()}", markup=False)
     if source.phases is not None:
         pivot = phase_peaks_table(source.phases, max_steps=20)
         table = Table(title="per-phase peaks (phases CSV)")

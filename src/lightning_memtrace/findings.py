@@ -298,3 +298,85 @@ def phase_findings(phases: pd.DataFrame) -> list[Finding]:
         )
     )
     return out
+
+
+#: A rank whose peak is more than this percent above the lowest rank's gets a warning.
+RANK_IMBALANCE_PERCENT = 5.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RankImbalance:
+    """The spread of peaks across ranks: the highest rank's peak minus the lowest rank's.
+
+    Attributes:
+        peaks: Peak bytes per rank.
+        basis: Where the peaks come from (``snapshot replay`` or ``phases CSV``).
+        high_rank: The rank with the highest peak (the lowest such rank on ties).
+        low_rank: The rank with the lowest peak (the lowest such rank on ties).
+        high_bytes: Its peak.
+        low_bytes: Its peak.
+        imbalance_bytes: ``high_bytes - low_bytes``.
+        percent: ``imbalance_bytes`` as a percent of ``low_bytes``; None when ``low_bytes`` is 0.
+    """
+
+    peaks: dict[int, int]
+    basis: str
+    high_rank: int
+    low_rank: int
+    high_bytes: int
+    low_bytes: int
+    imbalance_bytes: int
+    percent: float | None
+
+    def sentence(self) -> str:
+        """E.g. ``rank 1 peaks 12.0 MiB (12,582,912 B, 8.0%) above rank 0 (160.0 MiB vs 148.0 MiB)``."""
+        if self.imbalance_bytes == 0:
+            return f"every rank peaks at {format_bytes(self.high_bytes)} ({self.high_bytes:,} B)"
+        pct = f", {self.percent:.1f}%" if self.percent is not None else ""
+        return (
+            f"rank {self.high_rank} peaks {format_bytes(self.imbalance_bytes)} ({self.imbalance_bytes:,} B{pct}) "
+            f"above rank {self.low_rank} ({format_bytes(self.high_bytes)} vs {format_bytes(self.low_bytes)})"
+        )
+
+    @property
+    def exceeds(self) -> bool:
+        """Above :data:`RANK_IMBALANCE_PERCENT` (or any imbalance over a rank that peaks at 0 bytes)."""
+        if self.imbalance_bytes <= 0:
+            return False
+        return self.percent is None or self.percent > RANK_IMBALANCE_PERCENT
+
+
+def rank_imbalance(peaks: dict[int, int], basis: str) -> RankImbalance | None:
+    """The imbalance between ranks' peaks; None for fewer than two ranks."""
+    if len(peaks) < 2:
+        return None
+    clean = {int(r): int(b) for r, b in peaks.items()}
+    high_rank = min(clean, key=lambda r: (-clean[r], r))
+    low_rank = min(clean, key=lambda r: (clean[r], r))
+    high, low = clean[high_rank], clean[low_rank]
+    diff = high - low
+    percent = _pct(diff, low) if low > 0 else (0.0 if diff == 0 else None)
+    return RankImbalance(dict(sorted(clean.items())), basis, high_rank, low_rank, high, low, diff, percent)
+
+
+def rank_imbalance_finding(imbalance: RankImbalance | None) -> Finding | None:
+    """A warning when one rank peaks more than :data:`RANK_IMBALANCE_PERCENT` above another; None otherwise."""
+    if imbalance is None or not imbalance.exceeds:
+        return None
+    return Finding(
+        "rank_imbalance",
+        f"ranks are imbalanced ({imbalance.basis}, {len(imbalance.peaks)} ranks): {imbalance.sentence()}; every rank "
+        "must fit in the same memory, so the highest one sets the limit: uneven batches or sequence lengths, work "
+        "done on one rank only (logging, metrics, checkpointing, validation) or uneven sharding are the usual causes",
+        Severity.WARNING,
+        {
+            "peaks": dict(imbalance.peaks),
+            "basis": imbalance.basis,
+            "high_rank": imbalance.high_rank,
+            "low_rank": imbalance.low_rank,
+            "high_bytes": imbalance.high_bytes,
+            "low_bytes": imbalance.low_bytes,
+            "imbalance_bytes": imbalance.imbalance_bytes,
+            "percent": imbalance.percent,
+        },
+    )

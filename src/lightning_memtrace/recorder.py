@@ -422,7 +422,7 @@ class MemoryRecorder:
                     return
                 cuda_history.start_cuda_history(self.max_entries)
             elif self.tracker is not None:
-                self.tracker.capture_all_frames = True
+                self.tracker.record_history(True)
                 self._window_start_allocated = self.tracker.allocated
             else:
                 self._history_done = True
@@ -468,7 +468,7 @@ class MemoryRecorder:
             snapshot["memtrace"] = self._memtrace_metadata(first, last, since_us)
         finally:
             if self.tracker is not None:
-                self.tracker.capture_all_frames = False
+                self.tracker.record_history(False)
             elif self.device.type == "cuda":
                 cuda_history.set_allocation_metadata("")
                 cuda_history.stop_cuda_history()

@@ -22,7 +22,14 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from lightning_memtrace.findings import Finding, Severity, compute_findings
+from lightning_memtrace.findings import (
+    Finding,
+    RankImbalance,
+    Severity,
+    compute_findings,
+    rank_imbalance,
+    rank_imbalance_finding,
+)
 from lightning_memtrace.replay import CATEGORIES, CATEGORY_LABELS, DeviceReplay, Replay, replay
 from lightning_memtrace.snapshot_loader import DEFAULT_MAX_BYTES, SnapshotError, load_snapshot
 from lightning_memtrace.units import format_bytes, format_bytes_exact
@@ -157,6 +164,91 @@ def load_source(
             text = txt.read_text(encoding="utf-8", errors="replace")[:20000]
         snapshots.append(LoadedSnapshot(file, replay(snap, source=file.name), _rank_of(file.name), kind, text))
     return ReportSource(target, snapshots, phases)
+
+
+# ---------------------------------------------------------------------------------------------------- ranks
+#: Phases of the CSV shown per rank (those present in the folder).
+RANK_PHASES = ("batch_start", "after_forward", "after_backward", "after_optimizer_step", "batch_end")
+
+
+@dataclasses.dataclass
+class RankPeak:
+    """One rank of a multi-rank log folder.
+
+    Attributes:
+        rank: The rank.
+        snapshot: That rank's snapshot with the highest peak, or None (a rank with only the phases CSV).
+        peak_bytes: Peak live bytes of ``snapshot``'s replay, or None.
+        phase_peaks: Per phase, the max of ``peak_bytes`` over that rank's rows of the phases CSV.
+        phases_peak: The max of ``peak_bytes`` over every row of that rank in the phases CSV, or None.
+    """
+
+    rank: int
+    snapshot: LoadedSnapshot | None
+    peak_bytes: int | None
+    phase_peaks: dict[str, int]
+    phases_peak: int | None = None
+
+
+@dataclasses.dataclass
+class RankOverview:
+    """Every rank of a log folder side by side (only built for more than one rank)."""
+
+    ranks: list[RankPeak]
+    phase_columns: list[str]
+    imbalance: RankImbalance | None
+
+
+def rank_overview(source: ReportSource) -> RankOverview | None:
+    """Per-rank peaks and the imbalance between ranks; None when the source holds fewer than two ranks.
+
+    The imbalance compares snapshot replay peaks when every rank has a snapshot, else the phases CSV's peaks when
+    every rank has rows there, else whichever of the two covers at least two ranks.
+    """
+    by_rank: dict[int, list[LoadedSnapshot]] = {}
+    for s in source.snapshots:
+        if s.rank is not None:
+            by_rank.setdefault(s.rank, []).append(s)
+    phases = source.phases
+    phase_ranks: set[int] = set()
+    if phases is not None and len(phases) and "rank" in phases:
+        phase_ranks = {int(r) for r in phases["rank"].unique()}
+    ranks = sorted(set(by_rank) | phase_ranks)
+    if len(ranks) < 2:
+        return None
+    present = set(phases["phase"].astype(str)) if phases is not None and len(phases) else set()
+    columns = [p for p in RANK_PHASES if p in present]
+    rows: list[RankPeak] = []
+    for rank in ranks:
+        snaps = by_rank.get(rank, [])
+        best = max(snaps, key=lambda s: s.replay.peak.live_bytes) if snaps else None
+        phase_peaks: dict[str, int] = {}
+        phases_peak: int | None = None
+        if rank in phase_ranks:
+            assert phases is not None
+            mine = phases[phases["rank"] == rank]
+            maxima = mine.groupby(mine["phase"].astype(str))["peak_bytes"].max()
+            phase_peaks = {p: int(maxima[p]) for p in columns if p in maxima.index}
+            phases_peak = int(mine["peak_bytes"].max())
+        rows.append(
+            RankPeak(rank, best, int(best.replay.peak.live_bytes) if best else None, phase_peaks, phases_peak)
+        )
+    snap_peaks = {r.rank: r.peak_bytes for r in rows if r.peak_bytes is not None}
+    csv_peaks = {r.rank: r.phases_peak for r in rows if r.phases_peak is not None}
+    if len(snap_peaks) == len(rows) or (len(snap_peaks) >= 2 and len(csv_peaks) < len(rows)):
+        imbalance = rank_imbalance(snap_peaks, "snapshot replay peaks")  # type: ignore[arg-type]
+    else:
+        imbalance = rank_imbalance(csv_peaks, "phases CSV peaks")  # type: ignore[arg-type]
+    return RankOverview(rows, columns, imbalance)
+
+
+def add_rank_finding(findings: list[Finding], overview: RankOverview | None) -> list[Finding]:
+    """Put the rank-imbalance warning (when there is one) right after the ``peak`` finding."""
+    finding = rank_imbalance_finding(overview.imbalance) if overview is not None else None
+    if finding is not None:
+        at = 1 if findings and findings[0].code in ("peak", "empty") else 0
+        findings.insert(at, finding)
+    return findings
 
 
 # ---------------------------------------------------------------------------------------------------- downsampling
@@ -653,7 +745,7 @@ def _phases_html(phases: pd.DataFrame) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
 
 
-def _phases_figure(phases: pd.DataFrame) -> Any:
+def _phases_figure(phases: pd.DataFrame, title: str = "memory per phase row (MemTrace phases CSV)") -> Any:
     go = _GraphObjects
 
     fig = go.Figure()
@@ -684,7 +776,7 @@ def _phases_figure(phases: pd.DataFrame) -> Any:
         )
     )
     fig.update_layout(
-        title={"text": "memory per phase row (MemTrace phases CSV)"},
+        title={"text": _esc(title)},
         template="plotly_white",
         xaxis={"title": {"text": "seconds since the first row"}},
         yaxis={"title": {"text": "bytes"}, "tickformat": ".3s"},
@@ -693,9 +785,101 @@ def _phases_figure(phases: pd.DataFrame) -> Any:
     return fig
 
 
+def _ranks_html(overview: RankOverview) -> str:
+    """The "Ranks" section: one row per rank, peaks side by side, and the imbalance line."""
+    imb = overview.imbalance
+    high = imb.high_rank if imb is not None and imb.imbalance_bytes > 0 else None
+    head = (
+        "<th>rank</th><th>snapshot</th><th>peak (snapshot)</th><th>exact</th>"
+        + "".join(f"<th>max {_esc(p)} (CSV)</th>" for p in overview.phase_columns)
+    )
+    rows = []
+    for r in overview.ranks:
+        bold = ' style="font-weight:bold"' if r.rank == high else ""
+        if r.peak_bytes is not None and r.snapshot is not None:
+            peak_cells = (
+                f"<td><code>{_esc(r.snapshot.path.name)}</code></td>"
+                f'<td class="num"{bold}>{_esc(format_bytes(r.peak_bytes))}</td>'
+                f'<td class="num rank-peak" data-bytes="{int(r.peak_bytes)}">{int(r.peak_bytes):,}</td>'
+            )
+        else:
+            peak_cells = '<td class="meta">no snapshot</td><td></td><td></td>'
+        phase_cells = "".join(
+            f'<td class="num" title="{r.phase_peaks[p]:,} B">{_esc(format_bytes(r.phase_peaks[p]))}</td>'
+            if p in r.phase_peaks
+            else "<td></td>"
+            for p in overview.phase_columns
+        )
+        rows.append(f'<tr data-rank="{int(r.rank)}"><td class="num">{int(r.rank)}</td>{peak_cells}{phase_cells}</tr>')
+    if imb is not None:
+        pct = f"{imb.percent:.1f}" if imb.percent is not None else ""
+        line = (
+            f'<p id="rank-imbalance" data-bytes="{int(imb.imbalance_bytes)}" data-percent="{pct}" '
+            f'data-high-rank="{int(imb.high_rank)}" data-low-rank="{int(imb.low_rank)}">'
+            f"<b>Imbalance</b> ({_esc(imb.basis)}, max - min over {len(imb.peaks)} ranks): {_esc(imb.sentence())}.</p>"
+        )
+    else:
+        line = '<p class="meta">Not enough peaks to compare ranks.</p>'
+    return (
+        '<h2 id="ranks">Ranks</h2>'
+        + line
+        + f'<table id="ranks-table"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>'
+        + '<p class="meta">peak (snapshot): the highest live bytes in that rank\'s snapshot replay (its recorded '
+        "window); max &lt;phase&gt; (CSV): the highest <code>peak_bytes</code> of that phase over every step of the "
+        "rank's phases CSV.</p>"
+    )
+
+
 def _summary_json(payload: dict[str, Any]) -> str:
     text = json.dumps(payload, sort_keys=True)
     return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
+def _rank_charts_html(
+    overview: RankOverview,
+    phases: pd.DataFrame | None,
+    max_points: int,
+    config: dict[str, Any],
+    include_js: Any,
+) -> tuple[str, Any]:
+    """One timeline per rank, rank 0 first (div ids ``timeline-rank<R>``).
+
+    A rank is drawn from its highest-peak snapshot like the main timeline, or from its rows of the phases CSV when it
+    has no snapshot. Returns the HTML and the new ``include_js`` (plotly.js is embedded by the page's first chart only).
+    """
+    import plotly.io as pio
+
+    parts = ['<h2 id="rank-timelines">Timeline per rank</h2>']
+    for r in overview.ranks:
+        div_id = f"timeline-rank{int(r.rank)}"
+        if r.snapshot is not None:
+            dev = r.snapshot.replay.main
+            data = timeline_data(dev, max_points)
+            title = f"rank {r.rank}: {r.snapshot.path.name} — device {dev.device}: live memory by category"
+            fig = build_figure(dev, data, title)
+            note = (
+                f"{len(data.rows):,} of {dev.num_events:,} events drawn; peak "
+                f"{format_bytes_exact(dev.peak.live_bytes)}."
+            )
+        elif phases is not None and len(phases):
+            mine = phases[phases["rank"] == r.rank]
+            if not len(mine):
+                continue
+            fig = _phases_figure(mine, f"rank {r.rank}: memory per phase row (MemTrace phases CSV, no snapshot)")
+            note = f"{len(mine):,} rows of the phases CSV (no snapshot for this rank)."
+        else:
+            continue
+        chart = pio.to_html(
+            fig.to_dict(),
+            validate=False,
+            full_html=False,
+            include_plotlyjs=include_js,
+            config=config,
+            div_id=div_id,
+        )
+        include_js = False
+        parts.append(f'<h3>Rank {int(r.rank)}</h3>{chart}<p class="meta">{_esc(note)}</p>')
+    return "".join(parts), include_js
 
 
 def render_html(
@@ -793,6 +977,34 @@ def render_html(
         include_js = False
         sections.append(f"<h2>Memory per phase</h2>{chart}")
         summary["peak_bytes"] = int(source.phases["peak_bytes"].max())
+    overview = rank_overview(source)
+    if overview is not None:
+        # after the main chart in page order: the per-rank charts rely on the plotly.js it embeds
+        sections.insert(0, _ranks_html(overview))
+        charts, include_js = _rank_charts_html(overview, source.phases, max_points, config, include_js)
+        sections.append(charts)
+        add_rank_finding(findings, overview)
+        summary["ranks"] = [
+            {
+                "rank": int(r.rank),
+                "snapshot": r.snapshot.path.name if r.snapshot is not None else None,
+                "peak_bytes": r.peak_bytes,
+                "phases_peak_bytes": r.phases_peak,
+                "phase_peaks": dict(r.phase_peaks),
+            }
+            for r in overview.ranks
+        ]
+        if overview.imbalance is not None:
+            imb = overview.imbalance
+            summary["rank_imbalance"] = {
+                "basis": imb.basis,
+                "high_rank": imb.high_rank,
+                "low_rank": imb.low_rank,
+                "high_bytes": imb.high_bytes,
+                "low_bytes": imb.low_bytes,
+                "imbalance_bytes": imb.imbalance_bytes,
+                "percent": imb.percent,
+            }
     if source.phases is not None:
         sections.append("<h2>Per-phase peaks (MemTrace phases CSV)</h2>" + _phases_html(source.phases))
     if len(source.snapshots) > 1:

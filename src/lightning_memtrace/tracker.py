@@ -150,6 +150,7 @@ class AllocationTracker:
         frames_min_bytes: Allocations at least this large always get a Python stack; smaller ones only while
             :attr:`capture_all_frames` is set (the history window).
         stack_depth: Most frames kept per stack.
+        idle_entries: Size of the ring buffer outside a history window (see :meth:`record_history`).
     """
 
     def __init__(
@@ -158,6 +159,7 @@ class AllocationTracker:
         max_entries: int = 100_000,
         frames_min_bytes: int = 1024**2,
         stack_depth: int = 48,
+        idle_entries: int = 4096,
     ) -> None:
         self.device = torch.device(device)
         self.allocated = 0
@@ -171,7 +173,12 @@ class AllocationTracker:
         self.oom_listeners: list[Callable[[OutOfMemoryEvent], None]] = []
         self._live: dict[int, LiveAllocation] = {}
         self._live_addrs: dict[int, int] = {}
-        self._events: deque[tuple] = deque(maxlen=max(1, int(max_entries)))
+        self.max_entries = max(1, int(max_entries))
+        self.idle_entries = max(1, min(int(idle_entries), self.max_entries))
+        # Outside a history window only the last `idle_entries` events are kept (for a post-mortem's recent trace):
+        # a large ring of live Python objects would slow every garbage collection of the training process.
+        self._events: deque[tuple] = deque(maxlen=self.idle_entries)
+        self._ref_keys: dict[int, int] = {}
         self._plans: dict[Any, tuple[tuple[int, ...], bool]] = {}
         self._device_type = self.device.type
         self._device_index = (self.device.index or 0) if self.device.type not in ("cpu", "meta") else None
@@ -267,7 +274,9 @@ class AllocationTracker:
         if self.capture_all_frames or nbytes >= self.frames_min_bytes:
             frames = capture_frames(skip=2, depth=self.stack_depth)
         entry = LiveAllocation(nbytes, addr, now, frames, self.metadata, self.stage)
-        entry.ref = weakref.ref(storage, self._freed_callback(key))
+        ref = weakref.ref(storage, self._freed)
+        entry.ref = ref
+        self._ref_keys[id(ref)] = key
         self._live[key] = entry
         self._live_addrs[addr] = key
         self.allocated += nbytes
@@ -277,17 +286,16 @@ class AllocationTracker:
             self._events.append((_ALLOC, now, entry))
         return True
 
-    def _freed_callback(self, key: int) -> Callable[[weakref.ref], None]:
-        def freed(_: weakref.ref) -> None:
-            entry = self._live.pop(key, None)
-            if entry is None:
-                return
-            if self._live_addrs.get(entry.addr) == key:
-                del self._live_addrs[entry.addr]
-            self.allocated -= entry.nbytes
-            self._events.append((_FREE, time.time_ns() // 1000, entry, self.metadata))
-
-        return freed
+    def _freed(self, ref: weakref.ref) -> None:
+        # One bound method for every storage (no closure per allocation): the weakref's id leads to the storage key.
+        key = self._ref_keys.pop(id(ref), None)
+        entry = self._live.pop(key, None) if key is not None else None
+        if entry is None:
+            return
+        if self._live_addrs.get(entry.addr) == key:
+            del self._live_addrs[entry.addr]
+        self.allocated -= entry.nbytes
+        self._events.append((_FREE, time.time_ns() // 1000, entry, self.metadata))
 
     def _refresh_sizes(self, args: tuple) -> None:
         for arg in args:
@@ -301,6 +309,8 @@ class AllocationTracker:
             nbytes = storage.nbytes()
             if nbytes != entry.nbytes or storage.data_ptr() != entry.addr:
                 # Resized in place: account for it as a free of the old block and an alloc of the new one.
+                if entry.ref is not None:
+                    self._ref_keys.pop(id(entry.ref), None)
                 self._live.pop(storage._cdata, None)
                 self._live_addrs.pop(entry.addr, None)
                 self.allocated -= entry.nbytes
@@ -327,6 +337,13 @@ class AllocationTracker:
                 pass
 
     # ----------------------------------------------------------------------------------------------- export
+    def record_history(self, enabled: bool) -> None:
+        """Open (or close) a history window: every allocation gets a stack and the ring holds ``max_entries``."""
+        self.capture_all_frames = enabled
+        size = self.max_entries if enabled else self.idle_entries
+        if self._events.maxlen != size:
+            self._events = deque(self._events, maxlen=size)
+
     def events_since(self, since_us: int = 0) -> int:
         return sum(1 for ev in self._events if ev[1] >= since_us)
 
