@@ -145,7 +145,7 @@ class MemTrace(Callback):
         history_skip_steps: int = 1,
         history_steps: int = 2,
         max_entries: int = 100_000,
-        frames_min_bytes: int = 1024**2,
+        frames_min_bytes: int = 16 * 1024**2,
         log_metrics: bool = True,
         every_n_steps: int = 1,
         max_rows: int | None = 1_000_000,

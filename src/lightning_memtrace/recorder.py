@@ -91,7 +91,7 @@ class MemoryRecorder:
         history_skip_steps: int = 1,
         history_steps: int = 2,
         max_entries: int = 100_000,
-        frames_min_bytes: int = 1024**2,
+        frames_min_bytes: int = 16 * 1024**2,
         post_mortem: bool = True,
         max_rows: int | None = 1_000_000,
         every_n_steps: int = 1,
@@ -309,10 +309,15 @@ class MemoryRecorder:
         )
         tracker = self.tracker
         if tracker is not None:
+            live = tracker._live
             for key, (category, storage) in classified.items():
-                if not tracker.is_live(key):
+                entry = live.get(key)
+                if entry is None:
                     tracker.adopt(storage)
-                tracker.set_category(key, category.value)
+                    entry = live.get(key)
+                    if entry is None:
+                        continue
+                entry.category = category.value
         return classified
 
     def measure(self, phase: Phase) -> PhaseRecord:

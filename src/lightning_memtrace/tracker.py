@@ -157,7 +157,7 @@ class AllocationTracker:
         self,
         device: torch.device | str = "cpu",
         max_entries: int = 100_000,
-        frames_min_bytes: int = 1024**2,
+        frames_min_bytes: int = 16 * 1024**2,
         stack_depth: int = 48,
         idle_entries: int = 4096,
     ) -> None:
