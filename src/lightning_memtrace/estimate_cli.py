@@ -23,30 +23,16 @@ from typing import Any, NoReturn
 
 from lightning_memtrace.units import format_bytes, parse_bytes
 
+from lightning_memtrace.cli import _bytes_arg, _positive_int
+
 PROG = "memtrace"
 ERROR_EXIT = 2
 NOT_FIT_EXIT = 1
 PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "bf16-true", "16-true")
 
 
-def _size(text: str) -> int:
-    try:
-        value = parse_bytes(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 80GiB, 24GB, 512MiB)") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"not a positive size: {text!r}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"not a positive integer: {text!r}")
-    return value
+# The size and count parsers are the ``memtrace`` command's own, so every subcommand reads sizes alike.
+_size = _bytes_arg
 
 
 def _configure(parser: argparse.ArgumentParser) -> None:
