@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from lightning_memtrace.snapshot_loader import Snapshot, normalize
+from lightning_memtrace.snapshot_loader import Snapshot, SnapshotError, normalize
 from lightning_memtrace.types import Category
 
 
@@ -715,6 +715,15 @@ def _column(trace: list[dict[str, Any]], key: str, default: Any) -> list[Any]:
         return [e.get(key, default) if isinstance(e, dict) else default for e in trace]
 
 
+def _factorize(values: list[Any]) -> tuple[np.ndarray, Any]:
+    """``pd.factorize`` of untrusted values: anything unhashable (a dict where a string belongs) becomes its repr."""
+    try:
+        return pd.factorize(_objects(values))
+    except TypeError:
+        safe = [v if isinstance(v, (str, int, float, bool, type(None))) else repr(v) for v in values]
+        return pd.factorize(_objects(safe))
+
+
 def _objects(values: list[Any]) -> np.ndarray:
     array = np.empty(len(values), dtype=object)
     array[:] = values
@@ -823,7 +832,12 @@ def _replay_device(
     n = len(trace)
     # --- one pass per field (C-speed comprehensions)
     action_col, addrs, sizes, times_or_none, frames_col = _extract_columns(trace)
-    action_codes = np.fromiter(map(_ACTION_LOOKUP.__getitem__, action_col), dtype=np.int8, count=n)
+    try:
+        action_codes = np.fromiter(map(_ACTION_LOOKUP.__getitem__, action_col), dtype=np.int8, count=n)
+    except TypeError:  # an unhashable action (a list or dict) in an untrusted file
+        action_codes = np.fromiter(
+            (_ACTION_LOOKUP[a] if isinstance(a, str) else _A_OTHER for a in action_col), dtype=np.int8, count=n
+        )
     del action_col
     has_time = times_or_none is not None and n > 0
     times = times_or_none if times_or_none is not None else np.arange(n, dtype=np.int64)
@@ -847,10 +861,12 @@ def _replay_device(
     recorded_cat = np.full(n, -1, dtype=np.int16)
     step = np.full(n, -1, dtype=np.int64)
     meta_stage = np.full(n, -1, dtype=np.int8)
-    has_meta = n > 0 and any("user_metadata" in e or "category" in e for e in trace[: min(n, 64)])
+    has_meta = n > 0 and any(
+        isinstance(e, dict) and ("user_metadata" in e or "category" in e) for e in trace[: min(n, 64)]
+    )
     if has_meta:
         meta_col = _column(trace, "user_metadata", "")
-        meta_codes, meta_uniques = pd.factorize(_objects(meta_col))
+        meta_codes, meta_uniques = _factorize(meta_col)
         del meta_col
         parsed = [parse_user_metadata(str(u) if u is not None else "") for u in meta_uniques]
         ms = np.array([p[0] if p[0] is not None else -1 for p in parsed] + [-1], dtype=np.int8)
@@ -858,7 +874,7 @@ def _replay_device(
         meta_stage = ms[meta_codes]
         step = mstep[meta_codes]
         cat_col = _column(trace, "category", "")
-        cat_codes, cat_uniques = pd.factorize(_objects(cat_col))
+        cat_codes, cat_uniques = _factorize(cat_col)
         del cat_col
         lookup16 = np.array([_CAT_CODE.get(str(c), -1) for c in cat_uniques] + [-1], dtype=np.int16)
         recorded_cat = lookup16[cat_codes]
@@ -1107,10 +1123,25 @@ def replay(snapshot: Snapshot | dict[str, Any] | list[Any], *, source: str | Non
 
     Returns:
         The :class:`Replay`.
+
+    Raises:
+        SnapshotError: The snapshot's content is malformed in a way the replay cannot read (a one-line message).
     """
     if not isinstance(snapshot, Snapshot):
         data, layout = normalize(snapshot)
         snapshot = Snapshot(data=data, layout=layout)
+    try:
+        return _replay(snapshot, source)
+    except (SnapshotError, MemoryError, RecursionError):
+        raise
+    except Exception as error:  # untrusted content: one line, never a traceback from deep inside the replay
+        message = " ".join(str(error).split())[:200]
+        raise SnapshotError(
+            f"{source or snapshot.name}: malformed snapshot ({type(error).__name__}: {message})"
+        ) from None
+
+
+def _replay(snapshot: Snapshot, source: str | None) -> Replay:
     traces = snapshot.device_traces
     segments = snapshot.segments
     devices: set[int] = {d for d, t in enumerate(traces) if t}
