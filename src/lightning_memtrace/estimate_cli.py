@@ -21,9 +21,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from lightning_memtrace.units import format_bytes, parse_bytes
-
 from lightning_memtrace.cli import _bytes_arg, _positive_int
+from lightning_memtrace.units import format_bytes
 
 PROG = "memtrace"
 ERROR_EXIT = 2

@@ -307,17 +307,8 @@ class MemoryRecorder:
         classified = self.categories.classify(
             inputs=self._live_inputs(), saved=self.saved.live_storages() if self.training else None
         )
-        tracker = self.tracker
-        if tracker is not None:
-            live = tracker._live
-            for key, (category, storage) in classified.items():
-                entry = live.get(key)
-                if entry is None:
-                    tracker.adopt(storage)
-                    entry = live.get(key)
-                    if entry is None:
-                        continue
-                entry.category = category.value
+        if self.tracker is not None:
+            self.tracker.label(classified)
         return classified
 
     def measure(self, phase: Phase) -> PhaseRecord:

@@ -649,6 +649,15 @@ pre{background:#f7f7f7;padding:8px;overflow:auto;font-size:12px;max-height:300px
 """
 
 
+def _chart_html(fig: Any, include_js: bool, config: dict[str, Any], div_id: str) -> str:
+    """One plotly chart as an HTML fragment; plotly.js goes inline with the first chart of the page only."""
+    import plotly.io as pio
+
+    return pio.to_html(
+        fig.to_dict(), validate=False, full_html=False, include_plotlyjs=include_js, config=config, div_id=div_id
+    )
+
+
 def _table(frame: pd.DataFrame, numeric: set[str] | None = None) -> str:
     numeric = numeric or set()
     head = "".join(f"<th>{_esc(c)}</th>" for c in frame.columns)
@@ -847,7 +856,6 @@ def _rank_charts_html(
     A rank is drawn from its highest-peak snapshot like the main timeline, or from its rows of the phases CSV when it
     has no snapshot. Returns the HTML and the new ``include_js`` (plotly.js is embedded by the page's first chart only).
     """
-    import plotly.io as pio
 
     parts = ['<h2 id="rank-timelines">Timeline per rank</h2>']
     for r in overview.ranks:
@@ -869,14 +877,7 @@ def _rank_charts_html(
             note = f"{len(mine):,} rows of the phases CSV (no snapshot for this rank)."
         else:
             continue
-        chart = pio.to_html(
-            fig.to_dict(),
-            validate=False,
-            full_html=False,
-            include_plotlyjs=include_js,
-            config=config,
-            div_id=div_id,
-        )
+        chart = _chart_html(fig, include_js, config, div_id)
         include_js = False
         parts.append(f'<h3>Rank {int(r.rank)}</h3>{chart}<p class="meta">{_esc(note)}</p>')
     return "".join(parts), include_js
@@ -886,7 +887,6 @@ def render_html(
     source: ReportSource, *, max_points: int = DEFAULT_MAX_POINTS, png_path: str | os.PathLike[str] | None = None
 ) -> str:
     """The report page for a source (see :func:`write_report`)."""
-    import plotly.io as pio
 
     main = source.main
     sections: list[str] = []
@@ -919,14 +919,7 @@ def render_html(
         )
         if png_path is not None:
             write_png(dev, data, png_path, title)
-        chart = pio.to_html(
-            fig.to_dict(),
-            validate=False,
-            full_html=False,
-            include_plotlyjs=include_js,
-            config=config,
-            div_id="timeline",
-        )
+        chart = _chart_html(fig, include_js, config, "timeline")
         include_js = False
         where = f"{peak.stage}, step {peak.step}" if peak.index >= 0 else "at dump time (no trace)"
         rules = (
@@ -966,14 +959,7 @@ def render_html(
     elif source.phases is not None:
         findings = compute_findings_phases_only(source.phases)
         fig = _phases_figure(source.phases)
-        chart = pio.to_html(
-            fig.to_dict(),
-            validate=False,
-            full_html=False,
-            include_plotlyjs=include_js,
-            config=config,
-            div_id="timeline",
-        )
+        chart = _chart_html(fig, include_js, config, "timeline")
         include_js = False
         sections.append(f"<h2>Memory per phase</h2>{chart}")
         summary["peak_bytes"] = int(source.phases["peak_bytes"].max())

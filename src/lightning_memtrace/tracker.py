@@ -217,19 +217,24 @@ class AllocationTracker:
     def reset_peak(self) -> None:
         self.peak = self.allocated
 
-    def is_live(self, key: int) -> bool:
-        return key in self._live
-
     def live_allocations(self) -> list[LiveAllocation]:
         return list(self._live.values())
 
-    def live_entry(self, key: int) -> LiveAllocation | None:
-        return self._live.get(key)
+    def label(self, storages: dict[int, tuple[str, torch.UntypedStorage]]) -> None:
+        """Count the storages not counted yet (as :meth:`adopt`) and tag every one with its category.
 
-    def set_category(self, key: int, category: str) -> None:
-        entry = self._live.get(key)
-        if entry is not None:
-            entry.category = category
+        Args:
+            storages: storage key -> (category, storage), as the category counter names them.
+        """
+        live = self._live
+        for key, (category, storage) in storages.items():
+            entry = live.get(key)
+            if entry is None:
+                self._track_storage(storage, adopted=True)
+                entry = live.get(key)
+                if entry is None:  # another device, or no bytes
+                    continue
+            entry.category = str(category)
 
     def _plan(self, func: Any) -> tuple[tuple[int, ...], bool]:
         """Which outputs of an operator are new storages (no alias in its schema), and whether it resizes one."""
