@@ -8,7 +8,8 @@ ratio to the plain run:
 
 - plain: no callback
 - memtrace_counters: MemTrace(track_allocations=False, history=False) (CPU: categories only; CUDA: allocator counters)
-- memtrace: MemTrace() defaults (CPU: storage tracker on, history window of 2 steps)
+- memtrace: MemTrace() defaults (CPU: tracker on, reading the CPU allocator's reports; history window of 2 steps)
+- memtrace_dispatch: MemTrace(allocation_backend="dispatch") (CPU: tracker on as a Python dispatch mode)
 - torch_memtracker: torch.distributed._tools.mem_tracker.MemTracker around the step (reference)
 - profiler_memory: torch.profiler with profile_memory=True, record_shapes, with_stack (reference)
 
@@ -105,6 +106,8 @@ def run(variant: str, args, root: str) -> list[float]:
         callbacks.append(MemTrace(track_allocations=False, history=False, log_metrics=False))
     elif variant == "memtrace":
         callbacks.append(MemTrace(log_metrics=False))
+    elif variant == "memtrace_dispatch":
+        callbacks.append(MemTrace(log_metrics=False, allocation_backend="dispatch"))
     elif variant == "torch_memtracker":
         wrap = memtracker_ctx
     elif variant == "profiler_memory":
@@ -126,7 +129,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--variants", default="plain,memtrace_counters,memtrace,torch_memtracker,profiler_memory")
+    parser.add_argument(
+        "--variants", default="plain,memtrace_counters,memtrace,memtrace_dispatch,torch_memtracker,profiler_memory"
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     args = parser.parse_args()
     if args.threads:

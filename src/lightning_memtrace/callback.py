@@ -32,6 +32,21 @@ _RANK_BITS = 16
 TRAIN_PHASES = (Phase.BATCH_START, Phase.AFTER_FORWARD, Phase.AFTER_BACKWARD, Phase.AFTER_OPTIMIZER_STEP, Phase.BATCH_END)
 
 
+def _profiles_with_torch(trainer: pl.Trainer) -> bool:
+    """The Trainer's profiler records with ``torch.profiler`` (it would take the thread's session over)."""
+    try:
+        from lightning.pytorch.profilers import PyTorchProfiler
+    except ImportError:
+        return False
+    return isinstance(getattr(trainer, "profiler", None), PyTorchProfiler)
+
+
+def _reports_available(device: torch.device) -> bool:
+    from lightning_memtrace.allocator_reports import unavailable_reason
+
+    return device.type == "cpu" and unavailable_reason() is None
+
+
 def _has_compiled_parts(module: torch.nn.Module) -> bool:
     if getattr(module, "_compiler_ctx", None):
         return True
@@ -135,6 +150,11 @@ class MemTrace(Callback):
             real memory), print it and log ``memtrace/estimate/<category>`` and ``memtrace/estimate/peak`` (MiB); at
             the end write ``estimate_vs_measured_rank<R>.csv`` (per category: estimated and measured bytes, error in
             percent), which the report shows. Automatic optimization only.
+        allocation_backend: How the CPU tracker sees allocations. ``"auto"`` (default): the CPU allocator's own
+            reports, read through a profiler session that records nothing else (no Python work per operator; the
+            dispatch mode runs only in the history window, for stacks), or the dispatch mode where that session
+            cannot run (another profiler recording, e.g. ``Trainer(profiler="pytorch")``). ``"dispatch"``: always the
+            dispatch mode (for runs that open ``torch.profiler`` themselves). ``"reports"``: the reports only.
     """
 
     def __init__(
@@ -155,7 +175,11 @@ class MemTrace(Callback):
         gather_every_n_steps: int | None = None,
         report: bool = True,
         estimate: bool = False,
+        allocation_backend: str = "auto",
     ) -> None:
+        if allocation_backend not in ("auto", "reports", "dispatch"):
+            raise ValueError(f"allocation_backend must be 'auto', 'reports' or 'dispatch', not {allocation_backend!r}")
+        self.allocation_backend = allocation_backend
         self.dirpath = Path(dirpath) if dirpath is not None else None
         self.track_allocations = track_allocations
         self.history = history
@@ -249,7 +273,16 @@ class MemTrace(Callback):
         self._files = []
         self.device = pl_module.device
         track_allocations = self.track_allocations
-        if _has_compiled_parts(pl_module) and track_allocations is not False and not allocator_has_counters(pl_module.device):
+        backend = self.allocation_backend
+        window_stacks = True
+        if backend == "auto" and _profiles_with_torch(trainer):
+            backend = "dispatch"  # the thread's profiling session is the user's: see allocations another way
+        compiled = _has_compiled_parts(pl_module) and not allocator_has_counters(pl_module.device)
+        if compiled and track_allocations is not False and backend != "dispatch" and _reports_available(pl_module.device):
+            # The allocator's reports see compiled code as it runs; only the window's stacks need the dispatch mode,
+            # which would make compiled regions run eagerly: the window goes without stacks.
+            backend, window_stacks = "reports", False
+        elif compiled and track_allocations is not False:
             if track_allocations is None:
                 track_allocations = False
                 rank_zero_warn(
@@ -277,7 +310,10 @@ class MemTrace(Callback):
             every_n_steps=self.every_n_steps,
             max_snapshots=self.max_snapshots,
             on_record=self._on_record,
+            allocation_backend=backend,
         )
+        if self.recorder.tracker is not None:
+            self.recorder.tracker.window_stacks = window_stacks
         self.recorder.start()
 
     @override

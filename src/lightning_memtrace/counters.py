@@ -57,7 +57,11 @@ class AcceleratorCounters:
 
 
 class TrackerCounters:
-    """Counters of an :class:`AllocationTracker`: reserved equals allocated (no caching allocator to reserve)."""
+    """Counters of an :class:`AllocationTracker`: reserved equals allocated (no caching allocator to reserve).
+
+    The tracker is read as it stands: call its ``sync()`` first to take in the allocator's reports (the recorder does,
+    once per row).
+    """
 
     name = "tracker"
 

@@ -45,6 +45,19 @@ def capture_frames(skip: int = 1, depth: int = 48) -> list[Frame]:
     return out
 
 
+def traceback_frames(exception: BaseException, depth: int = 48) -> list[Frame]:
+    """Where an exception was raised, from its traceback, innermost frame first, without MemTrace's own frames."""
+    out: list[Frame] = []
+    tb = exception.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if not code.co_filename.startswith(_PACKAGE_DIR):
+            out.append({"filename": code.co_filename, "line": tb.tb_lineno, "name": code.co_name})
+        tb = tb.tb_next
+    out.reverse()
+    return out[:depth]
+
+
 _LIBRARY_MARKERS = (
     f"{os.sep}torch{os.sep}",
     f"{os.sep}lightning{os.sep}",

@@ -76,6 +76,10 @@ class MemoryRecorder:
         every_n_steps: Take rows only on steps divisible by this.
         max_snapshots: Most snapshot pickles kept in ``output_dir`` by this recorder (oldest removed).
         on_record: Called with each :class:`PhaseRecord` taken (the callback logs them).
+        allocation_backend: How the tracker sees allocations (see :class:`AllocationTracker`): ``"auto"`` reads the
+            CPU allocator's own reports where it can (no Python work per operator) and falls back to the dispatch
+            mode; ``"dispatch"`` always uses the dispatch mode (for a run profiled with ``torch.profiler``);
+            ``"reports"`` insists on the reports.
     """
 
     def __init__(
@@ -97,6 +101,7 @@ class MemoryRecorder:
         every_n_steps: int = 1,
         max_snapshots: int = 10,
         on_record: Callable[[PhaseRecord], None] | None = None,
+        allocation_backend: str = "auto",
     ) -> None:
         self.model = model
         self.device = normalize_device(device if device is not None else _device_of(model))
@@ -116,7 +121,9 @@ class MemoryRecorder:
         if track_allocations is None:
             track_allocations = self._allocator_counters is None
         self.tracker: AllocationTracker | None = (
-            AllocationTracker(self.device, max_entries=max_entries, frames_min_bytes=frames_min_bytes)
+            AllocationTracker(
+                self.device, max_entries=max_entries, frames_min_bytes=frames_min_bytes, backend=allocation_backend
+            )
             if track_allocations
             else None
         )
@@ -313,6 +320,11 @@ class MemoryRecorder:
 
     def measure(self, phase: Phase) -> PhaseRecord:
         """Measure now, without writing: allocated, reserved, peak since the last measurement, and categories."""
+        if self.tracker is not None:
+            self.tracker.sync()
+        return self._measure(phase)
+
+    def _measure(self, phase: Phase) -> PhaseRecord:
         classified = self._adopt_known()
         totals = CategoryCounter.totals(classified)
         if not self.training:
@@ -341,12 +353,22 @@ class MemoryRecorder:
         )
 
     def _record(self, phase: Phase) -> PhaseRecord | None:
+        if self.tracker is not None:
+            # Allocations reported since the last row belong to the stage that is ending.
+            self.tracker.sync()
+            if self.tracker.session_lost:
+                self._warn(
+                    "session",
+                    "another profiler took over the profiling session MemTrace reads the CPU allocator's reports "
+                    "from; allocated/peak miss what was freed meanwhile (pass allocation_backend='dispatch' to "
+                    "profile and measure together).",
+                )
         self._set_stage(STAGE_AFTER_PHASE[phase])
         now_us = time.time_ns() // 1000
         self.phase_marks.append((self.step, phase.value, now_us))
         if not self._take_rows:
             return None
-        record = self.measure(phase)
+        record = self._measure(phase)
         self.records.append(record)
         self._write_row(record)
         if self.on_record is not None:
@@ -437,6 +459,8 @@ class MemoryRecorder:
         return {"segments": [], "device_traces": []}
 
     def _memtrace_metadata(self, first: int, last: int, since_us: int) -> dict[str, Any]:
+        if self.tracker is not None:
+            self.tracker.sync()
         classified = self._adopt_known()
         return {
             "format": SNAPSHOT_FORMAT,
@@ -504,6 +528,8 @@ class MemoryRecorder:
         return [LiveBlock(e.nbytes, list(e.frames or []), e.metadata, e.category or "") for e in entries]
 
     def _capture_oom_state(self, requested: int | None, frames: list, device_free: int | None = None) -> None:
+        if self.tracker is not None:
+            self.tracker.sync()
         classified = self._adopt_known()
         totals = {c.value: v for c, v in CategoryCounter.totals(classified).items()}
         if self.tracker is not None:
@@ -546,6 +572,8 @@ class MemoryRecorder:
             return []
 
     def _write_post_mortem(self, exception: BaseException) -> list[Path]:
+        if self._oom is None and self.tracker is not None and self.tracker.backend == "reports":
+            self.tracker.note_oom(exception)  # its listener captures the state, with the stack from the traceback
         if self._oom is None:
             self._capture_oom_state(requested_bytes_from_message(str(exception)), [])
         state = self._oom or {}

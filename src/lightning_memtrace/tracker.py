@@ -1,10 +1,12 @@
-"""A storage-level allocation tracker: exact allocated/peak counters and a snapshot-format history on any device.
+"""An allocation tracker: exact allocated/peak counters and a snapshot-format history on any device.
 
 The CUDA caching allocator counts its own bytes and records its own history; the CPU allocator (and others) do
-neither. :class:`AllocationTracker` gives those devices the same numbers: a ``TorchDispatchMode`` sees every storage
-that an operator creates, a weak reference on the storage sees it freed, and a bounded ring buffer keeps the events
-in the format of ``torch.cuda.memory._snapshot()``, so that the same readers (``torch.cuda._memory_viz``,
-pytorch.org/memory_viz, ``memtrace report``) open them.
+neither. :class:`AllocationTracker` gives those devices the same numbers, from one of two sources: the CPU
+allocator's own reports of each allocation and free (backend ``"reports"``, see
+:mod:`~lightning_memtrace.allocator_reports`), or a ``TorchDispatchMode`` that sees every storage an operator creates
+and a weak reference on the storage that sees it freed (backend ``"dispatch"``, any device). A bounded ring buffer
+keeps the events in the format of ``torch.cuda.memory._snapshot()``, so that the same readers
+(``torch.cuda._memory_viz``, pytorch.org/memory_viz, ``memtrace report``) open them.
 """
 
 from __future__ import annotations
@@ -21,11 +23,14 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_memtrace.frames import Frame, capture_frames
+from lightning_memtrace.frames import Frame, capture_frames, traceback_frames
+from lightning_memtrace.types import Category
 
 _ALLOC, _FREE, _OOM = 0, 1, 2
 #: The category of an allocation that is none of parameters, gradients, optimizer state, inputs or activations.
 UNKNOWN_CATEGORY = "unknown"
+#: Plain-str names of the category enums (so that snapshots pickle str, and label() skips Enum.__str__).
+_CATEGORY_NAMES: dict[Any, str] = {category: category.value for category in Category}
 _RESIZING_OPS = frozenset({"resize_", "resize_as_", "set_", "resize_storage_bytes_"})
 _CPU_OOM_PATTERN = re.compile(r"tried to allocate (\d+) bytes")
 _CUDA_OOM_PATTERN = re.compile(r"Tried to allocate ([\d.]+) (B|KiB|MiB|GiB|TiB)")
@@ -84,20 +89,23 @@ class OutOfMemoryEvent:
 
 
 def _dispatch(mode: _TrackerMode, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    # Every operator on the device comes through here, so the common path (a known operator with one or no new
+    # output) is kept to a few attribute reads: the plan is cached by the operator's id (OpOverload's own __hash__ is
+    # Python code) and the operator is called through its C++ overload, without OpOverload.__call__'s extra frame.
     tracker = mode.tracker
+    plan = tracker._plans.get(id(func))
+    if plan is None:
+        plan = tracker._plan(func)
+    call, fresh, resizing = plan
     try:
-        out = func(*args, **kwargs) if kwargs else func(*args)
+        out = call(*args, **kwargs) if kwargs else call(*args)
     except RuntimeError as error:
         if is_out_of_memory(error):
             tracker._record_oom(error)
         raise
-    plan = tracker._plans.get(func)
-    if plan is None:
-        plan = tracker._plan(func)
-    fresh, resizing = plan
     if fresh:
         if isinstance(out, Tensor):
-            tracker._track_storage(out.untyped_storage())
+            tracker._track_output(out)
         elif isinstance(out, (list, tuple)):
             if len(fresh) == 1 and isinstance(out, list):
                 tracker._seen(out)
@@ -151,6 +159,13 @@ class AllocationTracker:
             :attr:`capture_all_frames` is set (the history window).
         stack_depth: Most frames kept per stack.
         idle_entries: Size of the ring buffer outside a history window (see :meth:`record_history`).
+        backend: How allocations are seen. ``"dispatch"``: a ``TorchDispatchMode`` sees every storage an operator
+            makes and a weak reference sees it freed (any device, Python work on every operator). ``"reports"``
+            (CPU only): the CPU allocator's own reports of every allocation and free, read through a profiler
+            session that records nothing else (:mod:`~lightning_memtrace.allocator_reports`; no Python work per
+            operator; it also counts the temporaries inside operators); the dispatch mode then runs only inside a
+            history window, to give allocations their Python stacks. ``"auto"``: ``"reports"`` where it can run
+            (a CPU tracker, no other profiler recording), else ``"dispatch"``.
     """
 
     def __init__(
@@ -160,8 +175,26 @@ class AllocationTracker:
         frames_min_bytes: int = 16 * 1024**2,
         stack_depth: int = 48,
         idle_entries: int = 4096,
+        backend: str = "dispatch",
     ) -> None:
+        if backend not in ("dispatch", "reports", "auto"):
+            raise ValueError(f"backend must be 'dispatch', 'reports' or 'auto', not {backend!r}")
         self.device = torch.device(device)
+        self.requested_backend = backend
+        #: The backend in use once started: "dispatch" or "reports".
+        self.backend = "dispatch"
+        #: Why "auto" (or "reports") fell back to "dispatch", if it did.
+        self.fallback_reason: str | None = None
+        #: Set when another profiler took the reports session over (allocated/peak missed what happened meanwhile).
+        self.session_lost = False
+        self._reports: Any = None
+        # Blocks the allocator reported (backend "reports"), by address; storages counted by weak reference
+        # (adopted ones, and every one under backend "dispatch") are in _live.
+        self._blocks: dict[int, LiveAllocation] = {}
+        self._pending_frames: dict[int, list[Frame]] = {}
+        #: Backend "reports": run the dispatch mode inside a history window to give allocations their stacks (off
+        #: for compiled modules, which a dispatch mode makes run eagerly).
+        self.window_stacks = True
         self.allocated = 0
         self.peak = 0
         self.capture_all_frames = False
@@ -179,27 +212,146 @@ class AllocationTracker:
         # a large ring of live Python objects would slow every garbage collection of the training process.
         self._events: deque[tuple] = deque(maxlen=self.idle_entries)
         self._ref_keys: dict[int, int] = {}
-        self._plans: dict[Any, tuple[tuple[int, ...], bool]] = {}
+        self._plans: dict[int, tuple[Callable[..., Any], tuple[int, ...], bool]] = {}
+        self._planned_ops: list[Any] = []
+        self._on_freed = self._freed
+        self._cpu_only = self.device.type == "cpu"
         self._device_type = self.device.type
         self._device_index = (self.device.index or 0) if self.device.type not in ("cpu", "meta") else None
         self._mode: _TrackerMode | None = None
         self._fake_addr = 1 << 44
 
     # ----------------------------------------------------------------------------------------------- lifecycle
-    @property
-    def active(self) -> bool:
-        return self._mode is not None
-
     def start(self) -> None:
+        if self.active:
+            return
+        if self.requested_backend != "dispatch":
+            reason = self._start_reports()
+            if reason is None:
+                self.backend = "reports"
+                # Inside a history window the dispatch mode only notes the stacks of operator outputs.
+                self._track_output = self._note_frames  # type: ignore[method-assign]
+                if self.capture_all_frames and self.window_stacks:
+                    self._enter_mode()
+                return
+            if self.requested_backend == "reports":
+                raise RuntimeError(f"the allocator-reports backend cannot run: {reason}")
+            self.fallback_reason = reason
+        self.backend = "dispatch"
+        self._enter_mode()
+
+    def _start_reports(self) -> str | None:
+        if self.device.type != "cpu":
+            return f"allocator reports cover the CPU allocator only, not {self.device.type}"
+        from lightning_memtrace import allocator_reports
+
+        reason = allocator_reports.unavailable_reason()
+        if reason is not None:
+            return reason
+        try:
+            reports = allocator_reports.AllocatorReports()
+            reports.start()
+        except Exception as error:
+            return f"could not open a profiler session ({error})"
+        self._reports = reports
+        return None
+
+    def _enter_mode(self) -> None:
         if self._mode is None:
             self._mode = _TrackerMode(self)
             self._mode.__enter__()
 
-    def stop(self) -> None:
-        """Leave the dispatch mode; counted storages keep being counted down as they are freed."""
+    def _exit_mode(self) -> None:
         mode, self._mode = self._mode, None
         if mode is not None:
             mode.__exit__(None, None, None)
+
+    @property
+    def active(self) -> bool:
+        return self._mode is not None or (self._reports is not None and self._reports.active)
+
+    def stop(self) -> None:
+        """Stop seeing new allocations; storages counted by weak reference keep being counted down as they are freed."""
+        self._exit_mode()
+        reports, self._reports = self._reports, None
+        if reports is not None:
+            self._apply_reports(reports.stop())
+
+    def sync(self) -> None:
+        """Take in the allocator's reports since the last call (backend "reports"; nothing to do otherwise)."""
+        reports = self._reports
+        if reports is None:
+            return
+        from lightning_memtrace.allocator_reports import SessionLost
+
+        try:
+            events = reports.drain()
+        except SessionLost:
+            # A user's profiler took the thread over: reports were lost meanwhile; resume once it is gone.
+            self.session_lost = True
+            events = []
+        except Exception:
+            self.session_lost = True
+            return
+        if not reports.active:
+            from lightning_memtrace.allocator_reports import another_profiler_active
+
+            if not another_profiler_active():
+                try:
+                    reports.start()
+                except Exception:
+                    pass
+        self._apply_reports(events)
+
+    def _apply_reports(self, events: list[tuple[int, int, int]]) -> None:
+        blocks = self._blocks
+        live_addrs = self._live_addrs
+        pending = self._pending_frames
+        history = self._events
+        metadata, stage = self.metadata, self.stage
+        with_frames = self.capture_all_frames
+        last_frames: list[Frame] | None = None
+        orphans: list[LiveAllocation] = []
+        allocated, peak = self.allocated, self.peak
+        for time_ns, addr, size in events:
+            now = time_ns // 1000
+            if size > 0:
+                stale = blocks.pop(addr, None)
+                if stale is not None:
+                    # Its free happened where no report reached us (another thread, a lost session): the address
+                    # being handed out again proves it.
+                    allocated -= stale.nbytes
+                    history.append((_FREE, now, stale, metadata))
+                if addr in live_addrs:
+                    # Already counted: a storage adopted by weak reference before this report was read.
+                    continue
+                frames = None
+                if with_frames:
+                    frames = pending.pop(addr, None)
+                    if frames is None:
+                        # Not an operator's output (a temporary inside one): the nearest output's stack, the
+                        # previous one's, else the next one's.
+                        frames = last_frames
+                    else:
+                        last_frames = frames
+                        for orphan in orphans:
+                            orphan.frames = frames
+                        orphans.clear()
+                entry = LiveAllocation(size, addr, now, frames, metadata, stage)
+                if with_frames and frames is None:
+                    orphans.append(entry)
+                blocks[addr] = entry
+                allocated += size
+                if allocated > peak:
+                    peak = allocated
+                history.append((_ALLOC, now, entry))
+            else:
+                entry = blocks.pop(addr, None)
+                if entry is not None:
+                    allocated -= entry.nbytes
+                    history.append((_FREE, now, entry, metadata))
+        self.allocated, self.peak = allocated, peak
+        pending.clear()
 
     def __enter__(self) -> AllocationTracker:
         self.start()
@@ -218,68 +370,135 @@ class AllocationTracker:
         self.peak = self.allocated
 
     def live_allocations(self) -> list[LiveAllocation]:
-        return list(self._live.values())
+        self.sync()
+        return [*self._live.values(), *self._blocks.values()]
 
     def label(self, storages: dict[int, tuple[str, torch.UntypedStorage]]) -> None:
         """Count the storages not counted yet (as :meth:`adopt`) and tag every one with its category.
+
+        Reports not taken in yet are not read here (call :meth:`sync` first): a storage adopted before its report is
+        read is recognized by its address then, and counted once.
 
         Args:
             storages: storage key -> (category, storage), as the category counter names them.
         """
         live = self._live
+        blocks = self._blocks
         for key, (category, storage) in storages.items():
             entry = live.get(key)
+            if entry is None and blocks:
+                entry = blocks.get(storage.data_ptr())
             if entry is None:
                 self._track_storage(storage, adopted=True)
                 entry = live.get(key)
                 if entry is None:  # another device, or no bytes
                     continue
-            entry.category = str(category)
+            name = _CATEGORY_NAMES.get(category)
+            entry.category = name if name is not None else str(category)
 
-    def _plan(self, func: Any) -> tuple[tuple[int, ...], bool]:
-        """Which outputs of an operator are new storages (no alias in its schema), and whether it resizes one."""
+    def _plan(self, func: Any) -> tuple[Callable[..., Any], tuple[int, ...], bool]:
+        """How to call an operator, which of its outputs are new storages (no alias in its schema), and whether it
+        resizes one of its arguments."""
         try:
             returns = func._schema.returns
             fresh = tuple(i for i, ret in enumerate(returns) if ret.alias_info is None)
         except Exception:
             fresh = (0,)
-        plan = (fresh, func.overloadpacket.__name__ in _RESIZING_OPS)
-        self._plans[func] = plan
+        try:
+            resizing = func.overloadpacket.__name__ in _RESIZING_OPS
+        except Exception:
+            resizing = False
+        call = getattr(func, "_op", None)
+        if not callable(call):
+            call = func
+        plan = (call, fresh, resizing)
+        self._plans[id(func)] = plan
+        # The plan is keyed by id(): keep the operator alive so that its id is never reused for another object.
+        self._planned_ops.append(func)
         return plan
 
     def _seen(self, out: Any) -> None:
         if isinstance(out, Tensor):
-            self._track_storage(out.untyped_storage())
+            self._track_output(out)
         elif isinstance(out, (list, tuple)):
             for item in out:
                 if isinstance(item, Tensor):
-                    self._track_storage(item.untyped_storage())
+                    self._track_output(item)
 
-    def _track_storage(self, storage: torch.UntypedStorage, adopted: bool = False) -> bool:
+    def _track_output(self, tensor: Tensor) -> None:
+        """Count the storage of an operator's output: :meth:`_track_storage` without its rare cases.
+
+        A CPU storage an operator has just made has its own address and is not counted yet (unless the operator
+        returned an existing one), so only the size check remains on this path.
+        """
+        if not self._cpu_only:
+            # Meta storages have no address and other devices are rare here: the general path.
+            self._track_storage(tensor.untyped_storage(), skip=3)
+            return
+        if not tensor.is_cpu:
+            return
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        live = self._live
+        if key in live:
+            return
+        nbytes = storage.nbytes()
+        if not nbytes:
+            return
+        addr = storage.data_ptr()
+        if not addr or addr in self._live_addrs:
+            self._track_storage(storage, skip=3)
+            return
+        now = time.time_ns() // 1000
+        frames = None
+        if self.capture_all_frames or nbytes >= self.frames_min_bytes:
+            frames = capture_frames(skip=3, depth=self.stack_depth)
+        entry = LiveAllocation(nbytes, addr, now, frames, self.metadata, self.stage)
+        ref = entry.ref = weakref.ref(storage, self._on_freed)
+        self._ref_keys[id(ref)] = key
+        live[key] = entry
+        self._live_addrs[addr] = key
+        allocated = self.allocated = self.allocated + nbytes
+        if allocated > self.peak:
+            self.peak = allocated
+        self._events.append((_ALLOC, now, entry))
+
+    def _note_frames(self, tensor: Tensor) -> None:
+        """Backend "reports": remember the Python stack of an operator's new output, for its allocation report."""
+        if not tensor.is_cpu:
+            return
+        storage = tensor.untyped_storage()
+        if storage.nbytes():
+            self._pending_frames[storage.data_ptr()] = capture_frames(skip=3, depth=self.stack_depth)
+
+    def _on_device(self, device: torch.device) -> bool:
+        return device.type == self._device_type and (self._device_index is None or device.index == self._device_index)
+
+    def _track_storage(self, storage: torch.UntypedStorage, adopted: bool = False, skip: int = 2) -> bool:
         key = storage._cdata
         if key in self._live:
             return False
-        device = storage.device
-        if device.type != self._device_type or (self._device_index is not None and device.index != self._device_index):
+        if not self._on_device(storage.device):
             return False
         nbytes = storage.nbytes()
         if nbytes == 0:
             return False
         # Meta and fake storages have no memory; asking fake ones for a pointer warns (and will raise).
-        addr = 0 if device.type == "meta" else storage.data_ptr()
+        addr = 0 if storage.device.type == "meta" else storage.data_ptr()
         if addr == 0:
             # Meta and fake storages have no address: give each a distinct one so snapshots stay well formed.
             self._fake_addr += 512 + (nbytes + 511) // 512 * 512
             addr = self._fake_addr
-        if addr in self._live_addrs:
-            # A second storage object over memory already counted (from_blob, shared numpy memory).
+        if addr in self._live_addrs or addr in self._blocks:
+            # Memory already counted: a second storage object over it (from_blob, shared numpy memory), or a block
+            # the allocator reported.
             return False
         now = time.time_ns() // 1000
         frames = None
         if self.capture_all_frames or nbytes >= self.frames_min_bytes:
-            frames = capture_frames(skip=2, depth=self.stack_depth)
+            frames = capture_frames(skip=skip, depth=self.stack_depth)
         entry = LiveAllocation(nbytes, addr, now, frames, self.metadata, self.stage)
-        ref = weakref.ref(storage, self._freed)
+        ref = weakref.ref(storage, self._on_freed)
         entry.ref = ref
         self._ref_keys[id(ref)] = key
         self._live[key] = entry
@@ -294,15 +513,20 @@ class AllocationTracker:
     def _freed(self, ref: weakref.ref) -> None:
         # One bound method for every storage (no closure per allocation): the weakref's id leads to the storage key.
         key = self._ref_keys.pop(id(ref), None)
-        entry = self._live.pop(key, None) if key is not None else None
+        if key is None:
+            return
+        entry = self._live.pop(key, None)
         if entry is None:
             return
-        if self._live_addrs.get(entry.addr) == key:
-            del self._live_addrs[entry.addr]
+        addrs = self._live_addrs
+        if addrs.get(entry.addr) == key:
+            del addrs[entry.addr]
         self.allocated -= entry.nbytes
         self._events.append((_FREE, time.time_ns() // 1000, entry, self.metadata))
 
     def _refresh_sizes(self, args: tuple) -> None:
+        if self.backend == "reports":
+            return  # the allocator reports a resize as a free and an allocation
         for arg in args:
             if not isinstance(arg, Tensor):
                 continue
@@ -322,7 +546,15 @@ class AllocationTracker:
                 self._events.append((_FREE, time.time_ns() // 1000, entry, self.metadata))
                 self._track_storage(storage)
 
-    def _record_oom(self, error: BaseException) -> None:
+    def note_oom(self, error: BaseException) -> None:
+        """Record an out-of-memory error that the tracker did not see raised (backend "reports", outside a window).
+
+        The allocator does not report a failed allocation: the stack comes from the error's traceback.
+        """
+        self.sync()
+        self._record_oom(error, frames=traceback_frames(error, self.stack_depth))
+
+    def _record_oom(self, error: BaseException, frames: list[Frame] | None = None) -> None:
         message = str(error)
         event = OutOfMemoryEvent(
             requested_bytes=requested_bytes_from_message(message),
@@ -330,7 +562,7 @@ class AllocationTracker:
             time_us=time.time_ns() // 1000,
             stage=self.stage,
             metadata=self.metadata,
-            frames=capture_frames(skip=3, depth=self.stack_depth),
+            frames=frames if frames is not None else capture_frames(skip=3, depth=self.stack_depth),
             message=message.splitlines()[0] if message else "",
         )
         self.oom_events.append(event)
@@ -343,13 +575,23 @@ class AllocationTracker:
 
     # ----------------------------------------------------------------------------------------------- export
     def record_history(self, enabled: bool) -> None:
-        """Open (or close) a history window: every allocation gets a stack and the ring holds ``max_entries``."""
+        """Open (or close) a history window: every allocation gets a stack and the ring holds ``max_entries``.
+
+        Under backend "reports" the dispatch mode runs only inside the window, to note those stacks.
+        """
+        if self._reports is not None:
+            self.sync()  # reports up to now belong outside (or inside) the window that is closing (or opening)
+            if enabled and self.window_stacks:
+                self._enter_mode()
+            else:
+                self._exit_mode()
         self.capture_all_frames = enabled
         size = self.max_entries if enabled else self.idle_entries
         if self._events.maxlen != size:
             self._events = deque(self._events, maxlen=size)
 
     def events_since(self, since_us: int = 0) -> int:
+        self.sync()
         return sum(1 for ev in self._events if ev[1] >= since_us)
 
     def snapshot(self, since_us: int = 0, device_index: int = 0) -> dict[str, Any]:
@@ -359,8 +601,9 @@ class AllocationTracker:
         allocated); ``device_traces[device_index]`` holds the events since ``since_us`` (Unix microseconds).
         Allocations and blocks carry ``category`` and ``user_metadata`` (the phase and step they were made in).
         """
+        self.sync()
         segments = []
-        for entry in sorted(self._live.values(), key=lambda e: e.addr):
+        for entry in sorted([*self._live.values(), *self._blocks.values()], key=lambda e: e.addr):
             block = {
                 "address": entry.addr,
                 "size": entry.nbytes,

@@ -1,0 +1,122 @@
+"""The CPU allocator's own reports as the tracker's source: exact bytes, user profilers, no stray C++ warnings."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from lightning_memtrace import MemoryRecorder, MemTrace, load_phases
+from lightning_memtrace.allocator_reports import AllocatorReports, SessionLost, another_profiler_active
+from lightning_memtrace.storages import unique_storage_bytes
+from lightning_memtrace.tracker import AllocationTracker
+from lm_helpers import MLP, trainer
+
+
+def test_reports_give_each_allocation_and_free_with_address_and_size():
+    reports = AllocatorReports()
+    reports.start()
+    try:
+        block = torch.empty(1000, dtype=torch.float32)
+        addr = block.data_ptr()
+        del block
+        events = reports.drain()
+    finally:
+        reports.stop()
+    mine = [(size) for _, ptr, size in events if ptr == addr]
+    assert mine == [4000, -4000]
+    assert [e[0] for e in events] == sorted(e[0] for e in events)
+    assert not another_profiler_active()
+
+
+def test_reports_tracker_counts_exact_bytes_and_the_peak_between_reads():
+    tracker = AllocationTracker("cpu", backend="reports")
+    with tracker:
+        assert tracker.backend == "reports"
+        tracker.sync()
+        base = tracker.allocated
+        tracker.reset_peak()
+        kept = torch.empty(3 * 10**6, dtype=torch.uint8)
+        gone = torch.empty(5 * 10**6, dtype=torch.uint8)
+        del gone
+        tracker.sync()
+        assert tracker.allocated == base + 3 * 10**6
+        assert tracker.peak == base + 8 * 10**6
+        entry = next(e for e in tracker.live_allocations() if e.addr == kept.data_ptr())
+        assert entry.nbytes == 3 * 10**6
+        del kept
+        tracker.sync()
+        assert tracker.allocated == base
+
+
+def test_a_user_profiler_takes_the_session_over_and_training_goes_on(tmp_path):
+    class ProfiledOnce(MLP):
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 1:
+                with torch.profiler.profile() as profile:
+                    loss = super().training_step(batch, batch_idx)
+                assert len(profile.events()) > 0  # the user's profiler recorded its operators
+                return loss
+            return super().training_step(batch, batch_idx)
+
+    callback = MemTrace()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(tmp_path, [callback], max_steps=4).fit(ProfiledOnce())
+    said = [str(w.message) for w in caught if "MemTrace" in str(w.message)]
+    assert len(said) == 1 and "another profiler took over" in said[0]
+    phases = load_phases(callback.output_dir)
+    assert len(phases) == 20
+    # the session came back after the user's profiler: the last step still sees its activations and temporaries
+    last = phases[phases.step == 3]
+    forward = last[last.phase == "after_forward"].iloc[0]
+    assert forward.allocated_bytes >= forward.parameters_bytes + forward.activations_bytes > 0
+
+
+def test_trainer_with_pytorch_profiler_uses_the_dispatch_tracker(tmp_path):
+    callback = MemTrace()
+    run = trainer(tmp_path, [callback], max_steps=2, profiler="pytorch")
+    run.fit(MLP())
+    assert callback.recorder.tracker.backend == "dispatch"
+    phases = load_phases(callback.output_dir)
+    assert len(phases) == 10 and (phases.allocated_bytes > 0).all()
+
+
+def test_auto_backend_falls_back_to_dispatch_when_a_profiler_is_recording():
+    model = torch.nn.Linear(32, 32)
+    with torch.profiler.profile():
+        with MemoryRecorder(model, []) as recorder:
+            assert recorder.tracker.backend == "dispatch"
+            assert "another profiler" in recorder.tracker.fallback_reason
+            kept = torch.empty(1 << 20, dtype=torch.uint8)
+            assert recorder.tracker.allocated >= unique_storage_bytes(model.parameters()) + (1 << 20)
+            del kept
+    with pytest.raises(RuntimeError, match="cannot run"):
+        with torch.profiler.profile():
+            AllocationTracker("cpu", backend="reports").start()
+
+
+def test_no_cpp_warning_about_blocks_made_before_profiling(tmp_path, capfd):
+    before = [torch.empty(1000) for _ in range(50)]  # made before MemTrace starts, freed while it runs
+
+    class FreesOldBlocks(MLP):
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            before.clear()
+
+    callback = MemTrace()
+    trainer(tmp_path, [callback], max_steps=2).fit(FreesOldBlocks())
+    err = capfd.readouterr().err
+    assert "unknown size" not in err
+    assert callback.recorder.tracker.backend == "reports"
+
+
+def test_drain_after_a_session_was_taken_raises_session_lost():
+    reports = AllocatorReports()
+    reports.start()
+    with torch.profiler.profile():
+        pass
+    with pytest.raises(SessionLost):
+        reports.drain()
+    assert not reports.active
+    assert reports.stop() == []
