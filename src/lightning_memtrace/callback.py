@@ -133,8 +133,8 @@ class MemTrace(Callback):
         history_skip_steps: Steps of the run before the window opens (default 1: skip the first step).
         history_steps: Steps in the window (default 2).
         max_entries: Ring-buffer size of the history, in events.
-        frames_min_bytes: Outside the window, the CPU tracker records a stack only for allocations at least this
-            large (bytes).
+        frames_min_bytes: Outside the window, the dispatch-mode CPU tracker records a stack only for allocations at
+            least this large (bytes); the allocator-reports tracker records stacks only inside the window.
         log_metrics: Log the rows to the Trainer's loggers.
         every_n_steps: Take rows only on global steps divisible by this.
         max_rows: Most rows written to the CSV per run.

@@ -118,7 +118,7 @@ def render_post_mortem(pm: PostMortem) -> str:
         elif pm.device.startswith("cuda"):
             where = "<no stack: the allocator's history was not recording>"
         else:
-            where = "<no stack recorded: smaller than frames_min_bytes outside the history window>"
+            where = "<no stack: made outside the history window>"
         made = f" [{block.metadata}]" if block.metadata else ""
         category = f" {block.category}" if block.category else ""
         lines.append(f"  {index:>2}. {format_bytes(block.nbytes):>12}  ({block.nbytes:,} B){category}{made}  {where}")
