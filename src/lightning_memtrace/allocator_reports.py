@@ -12,6 +12,7 @@ The session belongs to the thread that opened it and is given up to any profiler
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import os
 import sys
@@ -28,19 +29,23 @@ class SessionLost(RuntimeError):
     """Another profiler took the thread's profiling session over: the reports since the last drain are lost."""
 
 
+@functools.cache
 def _profiler_api() -> tuple[Any, Any] | None:
     try:
         from torch._C import _autograd as autograd_api
         from torch._C import _profiler as profiler_api
-
-        for name in ("_prepare_profiler", "_enable_profiler", "_disable_profiler", "_profiler_enabled"):
-            getattr(autograd_api, name)
-        for name in ("ProfilerConfig", "ProfilerState", "ProfilerActivity", "RecordScope", "_ExperimentalConfig"):
-            getattr(profiler_api, name)
-        getattr(profiler_api, "_ExtraFields_Allocation")
-        return autograd_api, profiler_api
-    except Exception:
+    except ImportError:
         return None
+    needed = {
+        autograd_api: ("_prepare_profiler", "_enable_profiler", "_disable_profiler", "_profiler_enabled"),
+        profiler_api: (
+            "ProfilerConfig", "ProfilerState", "ProfilerActivity", "RecordScope", "_ExperimentalConfig",
+            "_ExtraFields_Allocation",
+        ),
+    }
+    if all(hasattr(module, name) for module, names in needed.items() for name in names):
+        return autograd_api, profiler_api
+    return None
 
 
 def another_profiler_active() -> bool:
@@ -58,6 +63,25 @@ def unavailable_reason() -> str | None:
     if another_profiler_active():
         return "another profiler is recording on this thread"
     return None
+
+
+def _accelerator_in_use() -> bool:
+    """Whether this process has started an accelerator's allocator (whose reports a CPU session would also get)."""
+    if torch.cuda.is_initialized():
+        return True
+    for name in ("xpu", "mps", "mtia"):
+        module = getattr(torch, name, None)
+        is_initialized = getattr(module, "is_initialized", None)
+        if is_initialized is None:
+            if name == "mps" and module is not None and torch.backends.mps.is_available():
+                return True
+            continue
+        try:
+            if is_initialized():
+                return True
+        except Exception:  # a backend that cannot answer: check each report's device
+            return True
+    return False
 
 
 @contextlib.contextmanager
@@ -156,10 +180,19 @@ class AllocatorReports:
     def _events(self, result: Any) -> list[AllocatorEvent]:
         allocation_type = self._allocation_type
         out: list[AllocatorEvent] = []
-        for event in result.experimental_event_tree():
-            fields = event.extra_fields
-            if type(fields) is allocation_type and fields.device.type == "cpu":
-                out.append((event.start_time_ns, fields.ptr, fields.alloc_size))
+        append = out.append
+        if _accelerator_in_use():
+            # Only then can the session hold other allocators' reports (reading a report's device costs a
+            # microsecond, as much as the rest of it).
+            for event in result.experimental_event_tree():
+                fields = event.extra_fields
+                if type(fields) is allocation_type and fields.device.type == "cpu":
+                    append((event.start_time_ns, fields.ptr, fields.alloc_size))
+        else:
+            for event in result.experimental_event_tree():
+                fields = event.extra_fields
+                if type(fields) is allocation_type:
+                    append((event.start_time_ns, fields.ptr, fields.alloc_size))
         if any(out[i][0] > out[i + 1][0] for i in range(len(out) - 1)):
             out.sort(key=lambda e: e[0])
         return out

@@ -70,8 +70,8 @@ class TrackerCounters:
 
     def read(self) -> tuple[int, int, int]:
         tracker = self.tracker
-        allocated = tracker.allocated
-        peak = max(tracker.peak, allocated)
+        allocated, peak = tracker.counters()
+        peak = max(peak, allocated)
         tracker.reset_peak()
         return allocated, allocated, peak
 

@@ -23,6 +23,12 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_memtrace.allocator_reports import (
+    AllocatorReports,
+    SessionLost,
+    another_profiler_active,
+    unavailable_reason,
+)
 from lightning_memtrace.frames import Frame, capture_frames, traceback_frames
 from lightning_memtrace.types import Category
 
@@ -195,8 +201,8 @@ class AllocationTracker:
         #: Backend "reports": run the dispatch mode inside a history window to give allocations their stacks (off
         #: for compiled modules, which a dispatch mode makes run eagerly).
         self.window_stacks = True
-        self.allocated = 0
-        self.peak = 0
+        self._allocated = 0
+        self._peak = 0
         self.capture_all_frames = False
         self.frames_min_bytes = frames_min_bytes
         self.stack_depth = stack_depth
@@ -243,13 +249,11 @@ class AllocationTracker:
     def _start_reports(self) -> str | None:
         if self.device.type != "cpu":
             return f"allocator reports cover the CPU allocator only, not {self.device.type}"
-        from lightning_memtrace import allocator_reports
-
-        reason = allocator_reports.unavailable_reason()
+        reason = unavailable_reason()
         if reason is not None:
             return reason
         try:
-            reports = allocator_reports.AllocatorReports()
+            reports = AllocatorReports()
             reports.start()
         except Exception as error:
             return f"could not open a profiler session ({error})"
@@ -282,8 +286,6 @@ class AllocationTracker:
         reports = self._reports
         if reports is None:
             return
-        from lightning_memtrace.allocator_reports import SessionLost
-
         try:
             events = reports.drain()
         except SessionLost:
@@ -293,14 +295,11 @@ class AllocationTracker:
         except Exception:
             self.session_lost = True
             return
-        if not reports.active:
-            from lightning_memtrace.allocator_reports import another_profiler_active
-
-            if not another_profiler_active():
-                try:
-                    reports.start()
-                except Exception:
-                    pass
+        if not reports.active and not another_profiler_active():
+            try:
+                reports.start()
+            except Exception:  # still not ours to open: try again at the next read
+                pass
         self._apply_reports(events)
 
     def _apply_reports(self, events: list[tuple[int, int, int]]) -> None:
@@ -312,7 +311,7 @@ class AllocationTracker:
         with_frames = self.capture_all_frames
         last_frames: list[Frame] | None = None
         orphans: list[LiveAllocation] = []
-        allocated, peak = self.allocated, self.peak
+        allocated, peak = self._allocated, self._peak
         for time_ns, addr, size in events:
             now = time_ns // 1000
             if size > 0:
@@ -350,7 +349,7 @@ class AllocationTracker:
                 if entry is not None:
                     allocated -= entry.nbytes
                     history.append((_FREE, now, entry, metadata))
-        self.allocated, self.peak = allocated, peak
+        self._allocated, self._peak = allocated, peak
         pending.clear()
 
     def __enter__(self) -> AllocationTracker:
@@ -366,8 +365,24 @@ class AllocationTracker:
         storage = tensor_or_storage.untyped_storage() if isinstance(tensor_or_storage, Tensor) else tensor_or_storage
         return self._track_storage(storage, adopted=True)
 
+    @property
+    def allocated(self) -> int:
+        """Bytes counted as live now (backend "reports": after taking in the reports so far)."""
+        self.sync()
+        return self._allocated
+
+    @property
+    def peak(self) -> int:
+        """Highest :attr:`allocated` since the last :meth:`reset_peak`."""
+        self.sync()
+        return self._peak
+
+    def counters(self) -> tuple[int, int]:
+        """(allocated, peak) as they stand, without taking in new reports (see :meth:`sync`)."""
+        return self._allocated, self._peak
+
     def reset_peak(self) -> None:
-        self.peak = self.allocated
+        self._peak = self._allocated
 
     def live_allocations(self) -> list[LiveAllocation]:
         self.sync()
@@ -458,9 +473,9 @@ class AllocationTracker:
         self._ref_keys[id(ref)] = key
         live[key] = entry
         self._live_addrs[addr] = key
-        allocated = self.allocated = self.allocated + nbytes
-        if allocated > self.peak:
-            self.peak = allocated
+        allocated = self._allocated = self._allocated + nbytes
+        if allocated > self._peak:
+            self._peak = allocated
         self._events.append((_ALLOC, now, entry))
 
     def _note_frames(self, tensor: Tensor) -> None:
@@ -503,9 +518,9 @@ class AllocationTracker:
         self._ref_keys[id(ref)] = key
         self._live[key] = entry
         self._live_addrs[addr] = key
-        self.allocated += nbytes
-        if self.allocated > self.peak:
-            self.peak = self.allocated
+        self._allocated += nbytes
+        if self._allocated > self._peak:
+            self._peak = self._allocated
         if not adopted:
             self._events.append((_ALLOC, now, entry))
         return True
@@ -521,7 +536,7 @@ class AllocationTracker:
         addrs = self._live_addrs
         if addrs.get(entry.addr) == key:
             del addrs[entry.addr]
-        self.allocated -= entry.nbytes
+        self._allocated -= entry.nbytes
         self._events.append((_FREE, time.time_ns() // 1000, entry, self.metadata))
 
     def _refresh_sizes(self, args: tuple) -> None:
@@ -542,7 +557,7 @@ class AllocationTracker:
                     self._ref_keys.pop(id(entry.ref), None)
                 self._live.pop(storage._cdata, None)
                 self._live_addrs.pop(entry.addr, None)
-                self.allocated -= entry.nbytes
+                self._allocated -= entry.nbytes
                 self._events.append((_FREE, time.time_ns() // 1000, entry, self.metadata))
                 self._track_storage(storage)
 
@@ -558,7 +573,7 @@ class AllocationTracker:
         message = str(error)
         event = OutOfMemoryEvent(
             requested_bytes=requested_bytes_from_message(message),
-            allocated_bytes=self.allocated,
+            allocated_bytes=self._allocated,
             time_us=time.time_ns() // 1000,
             stage=self.stage,
             metadata=self.metadata,
