@@ -116,7 +116,7 @@ class MemTrace(Callback):
     recorded and written as ``snapshot_rank<R>_steps<a>-<b>.pickle``, which pytorch.org/memory_viz,
     ``torch.cuda._memory_viz`` and ``memtrace report`` open. On CUDA that is the caching allocator's own history
     (``_record_memory_history``, Python stacks, a ring buffer of ``max_entries``) with each allocation tagged with its
-    phase; on CPU the storage-level tracker writes the same format.
+    phase; on CPU the allocation tracker writes the same format.
 
     **Report**: at the end of fit, ``report.html`` and ``timeline.png`` (see ``report`` below; ``memtrace report``
     writes the same from any snapshot or log folder).
@@ -127,8 +127,8 @@ class MemTrace(Callback):
 
     Args:
         dirpath: Folder for the files. Default: ``<trainer.log_dir>/memtrace``.
-        track_allocations: Count allocations with the storage-level tracker. Default (None): on where the device's
-            allocator has no counters (CPU), off on CUDA.
+        track_allocations: Count allocations with the allocation tracker (see ``allocation_backend``). Default
+            (None): on where the device's allocator has no counters (CPU), off on CUDA.
         history: Record the allocator's history for a window of steps and write a snapshot.
         history_skip_steps: Steps of the run before the window opens (default 1: skip the first step).
         history_steps: Steps in the window (default 2).

@@ -64,7 +64,7 @@ class MemoryRecorder:
         device: The device to measure; defaults to the model's.
         rank: Put in every row and file name.
         output_dir: Folder for ``phases_rank<R>.csv``, snapshots and post-mortems; None writes no files.
-        track_allocations: Use the storage-level :class:`AllocationTracker` for allocated/peak. None turns it on
+        track_allocations: Use an :class:`AllocationTracker` for allocated/peak. None turns it on
             where the device's allocator has no counters (CPU) and off elsewhere.
         history: Record the allocator's history for a window of steps and write a snapshot at its end.
         history_skip_steps: Steps of this run to let pass before the window opens.
