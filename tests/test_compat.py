@@ -23,7 +23,8 @@ from lm_helpers import MLP, trainer
 HERE = Path(__file__).resolve().parent
 
 
-def test_compiled_module_with_clipping_and_bf16_mixed(tmp_path):
+def _compiled_mlp():
+    """The MLP with its net compiled by a backend that counts the graphs it is handed (dynamo reset first)."""
     graphs = []
 
     def counting_backend(gm, example_inputs):
@@ -35,6 +36,11 @@ def test_compiled_module_with_clipping_and_bf16_mixed(tmp_path):
             self.net = torch.compile(self.net, backend=counting_backend)
 
     torch._dynamo.reset()
+    return Compiled, graphs
+
+
+def test_compiled_module_with_clipping_and_bf16_mixed(tmp_path):
+    Compiled, graphs = _compiled_mlp()
     callback = MemTrace()
     module = Compiled()
     with warnings.catch_warnings(record=True) as caught:
@@ -60,17 +66,7 @@ def test_compiled_module_with_clipping_and_bf16_mixed(tmp_path):
 
 
 def test_compiled_module_with_the_dispatch_tracker_warns_and_runs_compiled(tmp_path):
-    graphs = []
-
-    def counting_backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    class Compiled(MLP):
-        def configure_model(self):
-            self.net = torch.compile(self.net, backend=counting_backend)
-
-    torch._dynamo.reset()
+    Compiled, graphs = _compiled_mlp()
     callback = MemTrace(allocation_backend="dispatch")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -83,17 +79,7 @@ def test_compiled_module_with_the_dispatch_tracker_warns_and_runs_compiled(tmp_p
 
 
 def test_tracker_handler_is_never_compiled_by_dynamo(tmp_path):
-    graphs = []
-
-    def counting_backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    class Compiled(MLP):
-        def configure_model(self):
-            self.net = torch.compile(self.net, backend=counting_backend)
-
-    torch._dynamo.reset()
+    Compiled, graphs = _compiled_mlp()
     callback = MemTrace(track_allocations=True, allocation_backend="dispatch")
     trainer(tmp_path, [callback], max_steps=2).fit(Compiled())
     # under the tracker the compiled part runs eagerly, and MemTrace's own frames were not handed to dynamo

@@ -128,23 +128,18 @@ class AllocatorReports:
         reason = unavailable_reason()
         if reason is not None:
             raise RuntimeError(reason)
+        # The allocator logs a C++ warning on the first free (and every 1000th) of a block made before any session
+        # ("Memory block of unknown size was allocated before the profiling started"): training frees such blocks
+        # (made before MemTrace started) as a matter of course, so spend that first line here, where it says nothing.
+        block = torch.empty(1, dtype=torch.uint8)
         self._open()
         self.active = True
-        self._silence_first_unknown_free()
+        with _stderr_silenced():
+            del block
 
     def _open(self) -> None:
         self._autograd._prepare_profiler(self._config, self._activities)
         self._autograd._enable_profiler(self._config, self._activities, self._scopes)
-
-    def _silence_first_unknown_free(self) -> None:
-        # The allocator logs a C++ warning on the first free (and every 1000th) of a block made before any session
-        # ("Memory block of unknown size was allocated before the profiling started"): training frees such blocks
-        # (made before MemTrace started) as a matter of course, so spend that first line here, where it says nothing.
-        self._autograd._disable_profiler()
-        block = torch.empty(1, dtype=torch.uint8)
-        self._open()
-        with _stderr_silenced():
-            del block
 
     def owned(self) -> bool:
         """The thread's profiling session is still this one (no user profiler took over)."""

@@ -278,7 +278,8 @@ class MemTrace(Callback):
         if backend == "auto" and _profiles_with_torch(trainer):
             backend = "dispatch"  # the thread's profiling session is the user's: see allocations another way
         compiled = _has_compiled_parts(pl_module) and not allocator_has_counters(pl_module.device)
-        if compiled and track_allocations is not False and backend != "dispatch" and _reports_available(pl_module.device):
+        reports_ok = backend != "dispatch" and _reports_available(pl_module.device)
+        if compiled and track_allocations is not False and reports_ok:
             # The allocator's reports see compiled code as it runs; only the window's stacks need the dispatch mode,
             # which would make compiled regions run eagerly: the window goes without stacks.
             backend, window_stacks = "reports", False

@@ -441,7 +441,7 @@ class MemoryRecorder:
                 cuda_history.start_cuda_history(self.max_entries)
             elif self.tracker is not None:
                 self.tracker.record_history(True)
-                self._window_start_allocated = self.tracker.allocated
+                self._window_start_allocated = self.tracker.counters()[0]  # record_history took the reports in
             else:
                 self._history_done = True
                 return
@@ -468,7 +468,9 @@ class MemoryRecorder:
             "device": str(self.device),
             "rank": self.rank,
             "steps": [first, last],
-            "allocated_bytes": self.tracker.allocated if self.tracker is not None else _cuda_allocated(self.device),
+            "allocated_bytes": (
+                self.tracker.counters()[0] if self.tracker is not None else _cuda_allocated(self.device)
+            ),
             "allocated_at_start_bytes": self._window_start_allocated if self.tracker is not None else None,
             "categories": {c.value: v for c, v in CategoryCounter.totals(classified).items()},
             "phases": [
@@ -533,7 +535,7 @@ class MemoryRecorder:
         classified = self._adopt_known()
         totals = {c.value: v for c, v in CategoryCounter.totals(classified).items()}
         if self.tracker is not None:
-            allocated = reserved = self.tracker.allocated
+            allocated = reserved = self.tracker.counters()[0]
             largest = self._live_blocks()
             snapshot = None
         else:

@@ -464,19 +464,7 @@ class AllocationTracker:
         if not addr or addr in self._live_addrs:
             self._track_storage(storage, skip=3)
             return
-        now = time.time_ns() // 1000
-        frames = None
-        if self.capture_all_frames or nbytes >= self.frames_min_bytes:
-            frames = capture_frames(skip=3, depth=self.stack_depth)
-        entry = LiveAllocation(nbytes, addr, now, frames, self.metadata, self.stage)
-        ref = entry.ref = weakref.ref(storage, self._on_freed)
-        self._ref_keys[id(ref)] = key
-        live[key] = entry
-        self._live_addrs[addr] = key
-        allocated = self._allocated = self._allocated + nbytes
-        if allocated > self._peak:
-            self._peak = allocated
-        self._events.append((_ALLOC, now, entry))
+        self._count(storage, key, nbytes, addr, skip=4, adopted=False)
 
     def _note_frames(self, tensor: Tensor) -> None:
         """Backend "reports": remember the Python stack of an operator's new output, for its allocation report."""
@@ -508,22 +496,25 @@ class AllocationTracker:
             # Memory already counted: a second storage object over it (from_blob, shared numpy memory), or a block
             # the allocator reported.
             return False
+        self._count(storage, key, nbytes, addr, skip=skip + 1, adopted=adopted)
+        return True
+
+    def _count(self, storage: torch.UntypedStorage, key: int, nbytes: int, addr: int, skip: int, adopted: bool) -> None:
+        """Add a checked storage to the live table, with a weak reference that counts it down when it is freed."""
         now = time.time_ns() // 1000
         frames = None
         if self.capture_all_frames or nbytes >= self.frames_min_bytes:
             frames = capture_frames(skip=skip, depth=self.stack_depth)
         entry = LiveAllocation(nbytes, addr, now, frames, self.metadata, self.stage)
-        ref = weakref.ref(storage, self._on_freed)
-        entry.ref = ref
+        ref = entry.ref = weakref.ref(storage, self._on_freed)
         self._ref_keys[id(ref)] = key
         self._live[key] = entry
         self._live_addrs[addr] = key
-        self._allocated += nbytes
-        if self._allocated > self._peak:
-            self._peak = self._allocated
+        allocated = self._allocated = self._allocated + nbytes
+        if allocated > self._peak:
+            self._peak = allocated
         if not adopted:
             self._events.append((_ALLOC, now, entry))
-        return True
 
     def _freed(self, ref: weakref.ref) -> None:
         # One bound method for every storage (no closure per allocation): the weakref's id leads to the storage key.
