@@ -1,21 +1,42 @@
-"""Atomic file writes: a temporary file beside the target, then a rename, so a crash leaves whole files."""
+"""Atomic file writes: a temporary file beside the target, then a rename, so a crash leaves whole files.
+
+The temporary file is created with mode ``0o666`` under the process umask, exactly as a plain ``open(path, "w")``
+would create the target, so the renamed file is as readable as the rest of the log folder (``tempfile.mkstemp``
+would give ``0o600``).
+"""
 
 from __future__ import annotations
 
 import os
 import pickle
-import tempfile
+import secrets
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
+
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+_PLAIN_OPEN_MODE = 0o666
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+def _open_temporary(target: Path) -> tuple[BinaryIO, Path]:
+    for _ in range(100):
+        tmp = target.with_name(f".{target.name}.{secrets.token_hex(4)}.tmp")
+        try:
+            fd = os.open(tmp, _CREATE_FLAGS, _PLAIN_OPEN_MODE)
+        except FileExistsError:
+            continue
+        return os.fdopen(fd, "wb"), tmp
+    raise FileExistsError(f"could not create a temporary file beside {target}")
+
+
+def atomic_write_with(path: str | os.PathLike, write: Callable[[BinaryIO], Any]) -> Path:
+    """Call ``write(handle)`` on a temporary file beside ``path``, then rename it to ``path``."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    handle, tmp = _open_temporary(target)
     try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
+        with handle:
+            write(handle)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, target)
@@ -26,6 +47,10 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
             pass
         raise
     return target
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    return atomic_write_with(path, lambda handle: handle.write(data))
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:

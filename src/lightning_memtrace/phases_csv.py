@@ -40,7 +40,7 @@ class PhaseCsvWriter:
             if first != _HEADER:
                 # A file from another version or tool: keep it, start ours beside it.
                 self.path.rename(self.path.with_name(self.path.name + ".old"))
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)  # as open() under the umask
         if os.fstat(self._fd).st_size == 0:
             os.write(self._fd, _HEADER.encode())
         else:

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from lightning_memtrace.atomic import atomic_write_text, atomic_write_with
 from lightning_memtrace.findings import (
     Finding,
     RankImbalance,
@@ -629,9 +630,10 @@ def write_png(dev: DeviceReplay, data: TimelineData, png_path: str | os.PathLike
     ax.legend(loc="upper left", fontsize=8, ncol=2)
     fig.tight_layout()
     out = Path(png_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out)
-    plt.close(fig)
+    try:
+        atomic_write_with(out, lambda handle: fig.savefig(handle, format="png"))
+    finally:
+        plt.close(fig)
     return out
 
 
@@ -1082,12 +1084,7 @@ def write_report(
     """
     source = load_source(source_path_or_dir, max_bytes=max_bytes, progress=progress)
     page = render_html(source, max_points=max_points, png_path=png_path)
-    out = Path(html_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(page, encoding="utf-8")
-    os.replace(tmp, out)
-    return out
+    return atomic_write_text(html_path, page)
 
 
 # ---------------------------------------------------------------------------------------------------- diff
