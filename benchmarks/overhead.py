@@ -1,10 +1,11 @@
 """Step time with MemTrace divided by step time without, measured side by side in one run.
 
-Usage: python benchmarks/overhead.py [--steps 30] [--rounds 3] [--batch-size 8] [--seq-len 128]
+Usage: python benchmarks/overhead.py [--steps 30] [--rounds 3] [--batch-size 4] [--seq-len 128] [--threads 1,2]
 
 Runs the tiny Qwen2 (3.4M parameters, from config) with AdamW under Lightning on this machine's device, interleaving
 the variants round by round so that machine noise hits them alike, and prints the median step time of each and its
-ratio to the plain run:
+ratio to the plain run, for each torch thread count asked for. A step is timed start to start (from one
+``on_train_batch_start`` to the next), so every hook of MemTrace, its ``batch_end`` work included, is inside:
 
 - plain: no callback
 - memtrace_counters: MemTrace(track_allocations=False, history=False) (CPU: categories only; CUDA: allocator counters)
@@ -13,7 +14,8 @@ ratio to the plain run:
 - torch_memtracker: torch.distributed._tools.mem_tracker.MemTracker around the step (reference)
 - profiler_memory: torch.profiler with profile_memory=True, record_shapes, with_stack (reference)
 
-Targets (issue 2): CPU <= 1.05 with the tracker off, <= 1.30 with it on; GPU <= 1.02 counters only, <= 1.05 history on.
+Targets: CPU <= 1.03 with the tracker off and <= 1.10 with the defaults, at 1 and at 2 threads; GPU <= 1.02 counters
+only, <= 1.05 history on.
 """
 
 from __future__ import annotations
@@ -52,22 +54,33 @@ class Tokens(Dataset):
 
 
 class StepTimer(pl.Callback):
+    """Start-to-start step times: from one ``on_train_batch_start`` to the next (the last step ends at train end)."""
+
     def __init__(self, wrap=None) -> None:
         self.times: list[float] = []
         self.wrap = wrap
         self._ctx = None
+        self._t0: float | None = None
+
+    def _lap(self) -> None:
+        now = time.perf_counter()
+        if self._t0 is not None:
+            self.times.append(now - self._t0)
+        self._t0 = now
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._lap()
         if self.wrap is not None:
             self._ctx = self.wrap(pl_module)
             self._ctx.__enter__()
-        self._t0 = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.times.append(time.perf_counter() - self._t0)
         if self._ctx is not None:
             self._ctx.__exit__(None, None, None)
             self._ctx = None
+
+    def on_train_end(self, trainer, pl_module):
+        self._lap()
 
 
 class LM(pl.LightningModule):
@@ -103,11 +116,11 @@ def run(variant: str, args, root: str) -> list[float]:
     callbacks: list[pl.Callback] = []
     wrap = None
     if variant == "memtrace_counters":
-        callbacks.append(MemTrace(track_allocations=False, history=False, log_metrics=False))
+        callbacks.append(MemTrace(track_allocations=False, history=False, report=False))
     elif variant == "memtrace":
-        callbacks.append(MemTrace(log_metrics=False))
+        callbacks.append(MemTrace(report=False))
     elif variant == "memtrace_dispatch":
-        callbacks.append(MemTrace(log_metrics=False, allocation_backend="dispatch"))
+        callbacks.append(MemTrace(report=False, allocation_backend="dispatch"))
     elif variant == "torch_memtracker":
         wrap = memtracker_ctx
     elif variant == "profiler_memory":
@@ -122,45 +135,50 @@ def run(variant: str, args, root: str) -> list[float]:
     return timer.times[args.warmup:]
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument(
-        "--variants", default="plain,memtrace_counters,memtrace,memtrace_dispatch,torch_memtracker,profiler_memory"
-    )
-    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    warnings.filterwarnings("ignore")
-    import logging
-
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    variants = args.variants.split(",")
-    times: dict[str, list[float]] = {v: [] for v in variants}
-    with TemporaryDirectory() as root:
-        for round_index in range(args.rounds):
-            for variant in variants:
-                try:
-                    times[variant].extend(run(variant, args, root))
-                except Exception as error:  # a reference tool that does not run here
-                    print(f"{variant}: failed ({type(error).__name__}: {error})", file=sys.stderr)
+def report(times: dict[str, list[float]], variants: list[str], args) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     base = statistics.median(times["plain"])
     print(f"device={device} torch={torch.__version__} threads={torch.get_num_threads()} "
           f"steps/round={args.steps - args.warmup} rounds={args.rounds} "
-          f"batch={args.batch_size}x{args.seq_len}")
+          f"batch={args.batch_size}x{args.seq_len} (start-to-start)")
     print(f"{'variant':<20}{'median step (ms)':>18}{'ratio vs plain':>16}")
     for variant in variants:
         if not times[variant]:
             print(f"{variant:<20}{'n/a':>18}{'n/a':>16}")
             continue
         median = statistics.median(times[variant])
-        print(f"{variant:<20}{median * 1000:>18.2f}{median / base:>16.3f}")
+        print(f"{variant:<20}{median * 1000:>18.2f}{median / base:>16.3f}", flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument(
+        "--variants", default="plain,memtrace_counters,memtrace,memtrace_dispatch,torch_memtracker,profiler_memory"
+    )
+    parser.add_argument("--threads", default="1,2", help="torch intra-op thread counts, comma-separated (0: default)")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    import logging
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    variants = args.variants.split(",")
+    default_threads = torch.get_num_threads()
+    for threads in [int(t) for t in args.threads.split(",")]:
+        torch.set_num_threads(threads or default_threads)
+        times: dict[str, list[float]] = {v: [] for v in variants}
+        with TemporaryDirectory() as root:
+            for round_index in range(args.rounds):
+                for variant in variants:
+                    try:
+                        times[variant].extend(run(variant, args, root))
+                    except Exception as error:  # a reference tool that does not run here
+                        print(f"{variant}: failed ({type(error).__name__}: {error})", file=sys.stderr)
+        report(times, variants, args)
     return 0
 
 

@@ -69,3 +69,59 @@ def test_oom_observer_forwards_to_live_listeners(monkeypatch):
 
 def test_no_allocator_counters_on_cpu():
     assert allocator_counters(torch.device("cpu")) is None
+
+
+class _FakeCudaAllocator:
+    """The CUDA allocator's counters as torch.cuda exposes them: one peak per device, reset on demand."""
+
+    def __init__(self, monkeypatch, allocated: int, reserved: int, peak: int, peak_reserved: int) -> None:
+        self.allocated, self.reserved, self.peak, self.peak_reserved = allocated, reserved, peak, peak_reserved
+        for name, value in (
+            ("memory_allocated", lambda device=None: self.allocated),
+            ("memory_reserved", lambda device=None: self.reserved),
+            ("max_memory_allocated", lambda device=None: self.peak),
+            ("max_memory_reserved", lambda device=None: self.peak_reserved),
+            ("reset_peak_memory_stats", lambda device=None: self.reset()),
+            ("is_available", lambda: True),
+            ("current_device", lambda: 0),
+        ):
+            monkeypatch.setattr(torch.cuda, name, value)
+
+    def reset(self) -> None:
+        self.peak, self.peak_reserved = self.allocated, self.reserved
+
+    def use(self, nbytes: int) -> None:
+        """Allocate ``nbytes`` and free them again (a phase's transient peak)."""
+        self.peak = max(self.peak, self.allocated + nbytes)
+        self.peak_reserved = max(self.peak_reserved, self.reserved + nbytes)
+
+
+def test_cuda_counters_keep_the_runs_maximum_while_resetting_per_phase(monkeypatch):
+    fake = _FakeCudaAllocator(monkeypatch, allocated=1000, reserved=4096, peak=9000, peak_reserved=10240)
+    counters = CudaCounters(torch.device("cuda", 0))
+    assert (counters.max_allocated, counters.max_reserved) == (9000, 10240)  # the user's peak before MemTrace
+    fake.use(3000)
+    assert counters.read() == (1000, 4096, 4000)  # the phase's own peak
+    assert torch.cuda.max_memory_allocated() == 1000  # what the user's counter reads now: the peak since the row
+    fake.use(20000)
+    assert counters.read()[2] == 21000
+    assert (counters.max_allocated, counters.max_reserved) == (21000, 24096)
+
+
+def test_recorder_on_cuda_exposes_the_runs_maximum(monkeypatch, tmp_path):
+    from lightning_memtrace import MemoryRecorder
+
+    fake = _FakeCudaAllocator(monkeypatch, allocated=2048, reserved=8192, peak=50_000, peak_reserved=60_000)
+    recorder = MemoryRecorder(None, device="cuda:0", output_dir=tmp_path, history=False, post_mortem=False)
+    with recorder:
+        for step, transient in enumerate((70_000, 10_000)):
+            recorder.begin_batch(None, step=step)
+            fake.use(transient)
+            recorder.mark_forward_done()
+            recorder.mark_backward_done()
+            recorder.end_batch(next_step=step + 1)
+    peaks = [record.peak_bytes for record in recorder.records]
+    assert max(peaks) == 72_048 and peaks[-3:] == [12_048, 2048, 2048]
+    assert recorder.max_allocated_bytes == 72_048
+    assert recorder.max_reserved_bytes == 78_192
+    assert torch.cuda.max_memory_allocated() == 2048  # reset at the last row: why max_allocated_bytes exists

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from lightning_memtrace import load_phases
+from test_console import CPP_LINE
 
 SCRIPT = Path(__file__).resolve().parent / "ddp_run.py"
 
@@ -28,6 +29,7 @@ def _run(tmp_path: Path, mode: str) -> subprocess.CompletedProcess:
 def test_ddp_two_ranks_write_their_own_files_and_rank_zero_logs_maxima(tmp_path):
     result = _run(tmp_path, "normal")
     assert result.returncode == 0, result.stderr[-3000:]
+    assert not [line for line in (result.stdout + result.stderr).splitlines() if CPP_LINE.search(line)]
     folder = tmp_path / "logs" / "version_0" / "memtrace"
     assert sorted(p.name for p in folder.glob("phases_rank*.csv")) == ["phases_rank0.csv", "phases_rank1.csv"]
     assert sorted(p.name for p in folder.glob("snapshot_*.pickle")) == [
@@ -55,6 +57,7 @@ def test_ddp_two_ranks_write_their_own_files_and_rank_zero_logs_maxima(tmp_path)
 def test_ddp_one_rank_out_of_memory(tmp_path):
     result = _run(tmp_path, "oom")
     assert result.returncode != 0
+    assert not [line for line in (result.stdout + result.stderr).splitlines() if CPP_LINE.search(line)]
     folder = tmp_path / "logs" / "version_0" / "memtrace"
     assert sorted(p.name for p in folder.glob("oom_*")) == ["oom_rank1_step1.pickle", "oom_rank1_step1.txt"]
     text = (folder / "oom_rank1_step1.txt").read_text()

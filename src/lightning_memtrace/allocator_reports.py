@@ -12,10 +12,11 @@ The session belongs to the thread that opened it and is given up to any profiler
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import gc
 import os
-import sys
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -60,6 +61,8 @@ def unavailable_reason() -> str | None:
     """Why allocator reports cannot be read here, or None when they can."""
     if _profiler_api() is None:
         return "this torch has no profiler API for allocator reports"
+    if _native_logging() is None:
+        return "this torch does not export the C++ log levels that keep a reports session off the console"
     if another_profiler_active():
         return "another profiler is recording on this thread"
     return None
@@ -84,22 +87,108 @@ def _accelerator_in_use() -> bool:
     return False
 
 
-@contextlib.contextmanager
-def _stderr_silenced() -> Iterator[None]:
-    """Send file descriptor 2 to the null device (C++ logging writes there directly, not through ``sys.stderr``)."""
+class _NativeLogging:
+    """The C++ log levels that a reports session would otherwise write to the console through.
+
+    Kineto, the profiler library under the session, logs each start and stop of a trace ("profiler_start",
+    "Completed Stage: ...") at levels that its own setting never hides; the CPU allocator logs one warning for the
+    first (and every 1000th) free of a block it has no size for. Both levels are plain integers exported by torch's
+    shared libraries: raising them for the few microseconds of MemTrace's own calls, on its own thread, silences
+    exactly those lines and nothing that anyone else logs.
+    """
+
+    #: Above every kineto and c10 severity.
+    SILENT = 1000
+
+    def __init__(self, kineto_severity: ctypes.c_int, c10_log_level: ctypes.c_int, report_cpu: ctypes.c_bool) -> None:
+        self._kineto = kineto_severity
+        self._c10 = c10_log_level
+        self._report_cpu = report_cpu
+
+    @contextlib.contextmanager
+    def kineto_silenced(self) -> Iterator[None]:
+        kineto = self._kineto
+        previous = kineto.value
+        kineto.value = self.SILENT
+        try:
+            yield
+        finally:
+            if kineto.value != self.SILENT:
+                # The first session of the process initialized kineto inside the call, which set kineto's own level
+                # (what the user's profilers get from now on): keep that one.
+                previous = kineto.value
+            kineto.value = previous
+
+    @contextlib.contextmanager
+    def c10_silenced(self) -> Iterator[None]:
+        c10 = self._c10
+        previous = c10.value
+        c10.value = self.SILENT
+        try:
+            yield
+        finally:
+            c10.value = previous
+
+    def track_every_cpu_block(self, enabled: bool) -> bool:
+        """Have the CPU allocator note every block's size, on every thread, also while no session records.
+
+        A block it knows is freed without the "unknown size" warning, and its free is reported. It logs each block
+        at INFO level then: never turned on where the C++ log level shows INFO lines. Returns the previous setting.
+        """
+        previous = bool(self._report_cpu.value)
+        if enabled and self._c10.value <= 0:
+            return previous
+        self._report_cpu.value = enabled
+        return previous
+
+
+def _library(name: str) -> ctypes.CDLL | None:
+    folder = os.path.join(os.path.dirname(torch.__file__), "lib")
+    for pattern in (f"lib{name}.so", f"lib{name}.dylib", f"{name}.dll"):
+        path = os.path.join(folder, pattern)
+        if os.path.exists(path):
+            try:
+                return ctypes.CDLL(path)
+            except OSError:
+                return None
+    return None
+
+
+@functools.cache
+def _native_logging() -> _NativeLogging | None:
+    torch_cpu, c10 = _library("torch_cpu"), _library("c10")
+    if torch_cpu is None or c10 is None:
+        return None
     try:
-        sys.stderr.flush()
-        saved = os.dup(2)
-    except (OSError, ValueError, AttributeError):
-        yield
-        return
-    try:
-        with open(os.devnull, "wb") as null:
-            os.dup2(null.fileno(), 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
+        return _NativeLogging(
+            ctypes.c_int.in_dll(torch_cpu, "_ZN9libkineto6Logger14severityLevel_E"),
+            ctypes.c_int.in_dll(c10, "FLAGS_caffe2_log_level"),
+            ctypes.c_bool.in_dll(c10, "FLAGS_caffe2_report_cpu_memory_usage"),
+        )
+    except (ValueError, OSError):
+        return None
+
+
+def _quiet_activity(profiler: Any) -> Any:
+    """A profiler activity whose device this machine does not use.
+
+    Memory reports come with any activity; with CPU's, the session would also hook every operator and build a trace
+    of them when it closes (twice the cost).
+    """
+    for name, module_name in (("MTIA", "mtia"), ("HPU", "hpu"), ("PrivateUse1", None), ("XPU", "xpu")):
+        activity = getattr(profiler.ProfilerActivity, name, None)
+        if activity is None:
+            continue
+        module = getattr(torch, module_name, None) if module_name else None
+        try:
+            in_use = bool(module is not None and module.is_available())
+        except Exception:
+            in_use = True
+        if module_name is None:
+            in_use = torch._C._get_privateuse1_backend_name() != "privateuseone"
+        if not in_use:
+            return activity
+    return profiler.ProfilerActivity.CPU
 
 
 class AllocatorReports:
@@ -108,18 +197,24 @@ class AllocatorReports:
     Call :meth:`start`, then :meth:`drain` whenever the reports so far are wanted, and :meth:`stop` at the end.
     """
 
+    #: Whether this process has spent the CPU allocator's first "unknown size" warning (it logs the 1st, 1001st, ...).
+    _unknown_free_warning_spent = False
+
     def __init__(self) -> None:
         api = _profiler_api()
-        if api is None:
-            raise RuntimeError("this torch has no profiler API for allocator reports")
+        native = _native_logging()
+        if api is None or native is None:
+            raise RuntimeError(unavailable_reason() or "allocator reports are unavailable")
         self._autograd, profiler = api
+        self._native = native
         self._config = profiler.ProfilerConfig(
             profiler.ProfilerState.KINETO, False, True, False, False, False, profiler._ExperimentalConfig()
         )
-        self._activities = {profiler.ProfilerActivity.CPU}
+        self._activities = {_quiet_activity(profiler)}
         # A scope no training code opens: operators and record_function ranges stay unrecorded.
         self._scopes = {profiler.RecordScope.LITE_INTERPRETER}
         self._allocation_type = profiler._ExtraFields_Allocation
+        self._tracked_every_block: bool | None = None
         self.active = False
 
     def start(self) -> None:
@@ -128,18 +223,24 @@ class AllocatorReports:
         reason = unavailable_reason()
         if reason is not None:
             raise RuntimeError(reason)
-        # The allocator logs a C++ warning on the first free (and every 1000th) of a block made before any session
-        # ("Memory block of unknown size was allocated before the profiling started"): training frees such blocks
-        # (made before MemTrace started) as a matter of course, so spend that first line here, where it says nothing.
-        block = torch.empty(1, dtype=torch.uint8)
+        # Training frees blocks made before MemTrace started as a matter of course, and the allocator warns on the
+        # first such free: spend that warning here, silenced, on a block made for the purpose.
+        block = None if AllocatorReports._unknown_free_warning_spent else torch.empty(1, dtype=torch.uint8)
+        if self._tracked_every_block is None:
+            self._tracked_every_block = self._native.track_every_cpu_block(True)
         self._open()
         self.active = True
-        with _stderr_silenced():
-            del block
+        if block is not None:
+            AllocatorReports._unknown_free_warning_spent = True
+            with self._native.c10_silenced():
+                del block
 
     def _open(self) -> None:
-        self._autograd._prepare_profiler(self._config, self._activities)
-        self._autograd._enable_profiler(self._config, self._activities, self._scopes)
+        # Two silenced calls: kineto's first use in the process sets its own level inside the first one.
+        with self._native.kineto_silenced():
+            self._autograd._prepare_profiler(self._config, self._activities)
+        with self._native.kineto_silenced():
+            self._autograd._enable_profiler(self._config, self._activities, self._scopes)
 
     def owned(self) -> bool:
         """The thread's profiling session is still this one (no user profiler took over)."""
@@ -162,7 +263,11 @@ class AllocatorReports:
         if collecting:
             gc.disable()
         try:
-            result = self._autograd._disable_profiler()
+            with self._native.kineto_silenced(), self._native.c10_silenced(), warnings.catch_warnings():
+                # An out-of-memory report has no kineto event to pair with (the session traces no CPU operators):
+                # torch warns about exactly that, in C++ or as a Python warning.
+                warnings.filterwarnings("ignore", message="Failed to recover relationship between all profiler")
+                result = self._autograd._disable_profiler()
             if reopen:
                 self._open()
             else:
@@ -176,18 +281,11 @@ class AllocatorReports:
         allocation_type = self._allocation_type
         out: list[AllocatorEvent] = []
         append = out.append
-        if _accelerator_in_use():
-            # Only then can the session hold other allocators' reports (reading a report's device costs a
-            # microsecond, as much as the rest of it).
-            for event in result.experimental_event_tree():
-                fields = event.extra_fields
-                if type(fields) is allocation_type and fields.device.type == "cpu":
-                    append((event.start_time_ns, fields.ptr, fields.alloc_size))
-        else:
-            for event in result.experimental_event_tree():
-                fields = event.extra_fields
-                if type(fields) is allocation_type:
-                    append((event.start_time_ns, fields.ptr, fields.alloc_size))
+        check_device = _accelerator_in_use()  # only then can the session hold other allocators' reports
+        for event in result.experimental_event_tree():
+            fields = event.extra_fields
+            if type(fields) is allocation_type and (not check_device or fields.device.type == "cpu"):
+                append((event.start_time_ns, fields.ptr, fields.alloc_size))
         if any(out[i][0] > out[i + 1][0] for i in range(len(out) - 1)):
             out.sort(key=lambda e: e[0])
         return out
@@ -198,3 +296,7 @@ class AllocatorReports:
             return self.drain(reopen=False)
         except SessionLost:
             return []
+        finally:
+            if self._tracked_every_block is not None:
+                self._native.track_every_cpu_block(self._tracked_every_block)
+                self._tracked_every_block = None

@@ -121,6 +121,12 @@ class MemTrace(Callback):
     **Report**: at the end of fit, ``report.html`` and ``timeline.png`` (see ``report`` below; ``memtrace report``
     writes the same from any snapshot or log folder).
 
+    **Peak statistics**: on CUDA (and other devices with allocator counters) MemTrace resets the device's peak
+    statistics at every row, which is how each phase's peak is measured: during and after the run,
+    ``torch.cuda.max_memory_allocated()`` (and ``DeviceStatsMonitor``'s peaks) read the peak since MemTrace's last row.
+    The run's maximum is :attr:`max_allocated_bytes` (and :attr:`max_reserved_bytes`), which includes the peak the
+    statistics held when MemTrace started.
+
     **Post-mortem**: on an out-of-memory error, ``oom_rank<R>_step<N>.pickle`` and ``oom_rank<R>_step<N>.txt`` (step,
     phase, requested size, live memory by category, the ten largest live allocations and where they were made, what
     to change) are written before the error propagates unchanged.
@@ -201,6 +207,8 @@ class MemTrace(Callback):
         self.estimate_comparison: Any = None
 
         self.recorder: MemoryRecorder | None = None
+        self._max_allocated_bytes = 0
+        self._max_reserved_bytes = 0
         self.output_dir: Path | None = None
         self.device: Any = None
         self._trainer: pl.Trainer | None = None
@@ -244,6 +252,19 @@ class MemTrace(Callback):
             return
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=self._pending_step)
+
+    @property
+    def max_allocated_bytes(self) -> int:
+        """The highest allocated bytes of the last fit on this rank (see the class docstring: on CUDA, MemTrace resets
+        the device's peak statistics at every row, so use this instead of ``torch.cuda.max_memory_allocated()``)."""
+        recorder = self.recorder
+        return recorder.max_allocated_bytes if recorder is not None else self._max_allocated_bytes
+
+    @property
+    def max_reserved_bytes(self) -> int:
+        """The highest reserved bytes of the last fit on this rank (as :attr:`max_allocated_bytes`)."""
+        recorder = self.recorder
+        return recorder.max_reserved_bytes if recorder is not None else self._max_reserved_bytes
 
     @property
     def files(self) -> list[Path]:
@@ -531,6 +552,8 @@ class MemTrace(Callback):
         self._files = list(recorder.files)
         try:
             recorder.stop()
+            self._max_allocated_bytes = recorder.max_allocated_bytes
+            self._max_reserved_bytes = recorder.max_reserved_bytes
         finally:
             self._flush_metrics()
 

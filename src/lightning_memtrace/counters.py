@@ -11,6 +11,11 @@ from lightning_memtrace.tracker import AllocationTracker
 
 class MemoryCounters(Protocol):
     name: str
+    #: Highest allocated bytes seen since the counters were made, including the peak the device's own statistics
+    #: held then (reading resets those statistics, so this is where the run's true maximum stays available).
+    max_allocated: int
+    #: The same for reserved bytes.
+    max_reserved: int
 
     def read(self) -> tuple[int, int, int]:
         """Return ``(allocated, reserved, peak since the last read)`` in bytes and start a new peak window."""
@@ -18,19 +23,30 @@ class MemoryCounters(Protocol):
 
 
 class CudaCounters:
-    """The CUDA caching allocator's own counters. Reading resets the device's peak statistics."""
+    """The CUDA caching allocator's own counters.
+
+    The allocator keeps one peak per device, and the only way to learn the peak of a phase is to reset it at the
+    phase's start (``torch.cuda.reset_peak_memory_stats``): after a row, ``torch.cuda.max_memory_allocated()`` reads the
+    peak since that row. :attr:`max_allocated` and :attr:`max_reserved` keep the maximum over the whole run, the peak
+    the statistics held before the first reset included.
+    """
 
     name = "cuda"
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.max_allocated = int(torch.cuda.max_memory_allocated(device))
+        self.max_reserved = int(torch.cuda.max_memory_reserved(device))
         torch.cuda.reset_peak_memory_stats(device)
 
     def read(self) -> tuple[int, int, int]:
         allocated = torch.cuda.memory_allocated(self.device)
         reserved = torch.cuda.memory_reserved(self.device)
         peak = max(torch.cuda.max_memory_allocated(self.device), allocated)
+        peak_reserved = max(torch.cuda.max_memory_reserved(self.device), reserved)
         torch.cuda.reset_peak_memory_stats(self.device)
+        self.max_allocated = max(self.max_allocated, int(peak))
+        self.max_reserved = max(self.max_reserved, int(peak_reserved))
         return allocated, reserved, peak
 
 
@@ -42,6 +58,11 @@ class AcceleratorCounters:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._accel = torch.accelerator
+        self.max_allocated = self.max_reserved = 0
+        if hasattr(self._accel, "max_memory_allocated"):
+            self.max_allocated = int(self._accel.max_memory_allocated(device))
+        if hasattr(self._accel, "max_memory_reserved"):
+            self.max_reserved = int(self._accel.max_memory_reserved(device))
         if hasattr(self._accel, "reset_peak_memory_stats"):
             self._accel.reset_peak_memory_stats(device)
 
@@ -51,8 +72,13 @@ class AcceleratorCounters:
         peak = allocated
         if hasattr(self._accel, "max_memory_allocated"):
             peak = max(peak, int(self._accel.max_memory_allocated(self.device)))
+        peak_reserved = reserved
+        if hasattr(self._accel, "max_memory_reserved"):
+            peak_reserved = max(reserved, int(self._accel.max_memory_reserved(self.device)))
         if hasattr(self._accel, "reset_peak_memory_stats"):
             self._accel.reset_peak_memory_stats(self.device)
+        self.max_allocated = max(self.max_allocated, peak)
+        self.max_reserved = max(self.max_reserved, peak_reserved)
         return allocated, reserved, peak
 
 
@@ -67,6 +93,12 @@ class TrackerCounters:
 
     def __init__(self, tracker: AllocationTracker) -> None:
         self.tracker = tracker
+
+    @property
+    def max_allocated(self) -> int:
+        return self.tracker.max_allocated
+
+    max_reserved = max_allocated
 
     def read(self) -> tuple[int, int, int]:
         tracker = self.tracker

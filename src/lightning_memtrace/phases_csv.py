@@ -60,13 +60,19 @@ class PhaseCsvWriter:
 
     def write(self, record: PhaseRecord) -> bool:
         """Write one row; False once the row cap is reached."""
-        if self.full or self._fd < 0:
-            return False
-        values = record.as_dict()
-        line = ",".join(_format_value(values[c]) for c in COLUMNS) + "\n"
-        os.write(self._fd, line.encode())
-        self.rows_written += 1
-        return True
+        return self.write_many([record]) == 1
+
+    def write_many(self, records: list[PhaseRecord]) -> int:
+        """Write rows, each as one ``write`` of a whole line, as many as the row cap allows; returns how many."""
+        written = 0
+        for record in records:
+            if self._fd < 0 or self.full:
+                break
+            line = ",".join(_format_value(str(record.phase) if c == "phase" else getattr(record, c)) for c in COLUMNS)
+            os.write(self._fd, (line + "\n").encode())
+            self.rows_written += 1
+            written += 1
+        return written
 
     def close(self) -> None:
         fd, self._fd = self._fd, -1

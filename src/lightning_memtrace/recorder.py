@@ -36,10 +36,21 @@ from lightning_memtrace.categories import CategoryCounter, SavedTensorsRecorder,
 from lightning_memtrace.counters import MemoryCounters, TrackerCounters, allocator_counters
 from lightning_memtrace.phases_csv import PhaseCsvWriter, phases_filename
 from lightning_memtrace.postmortem import LiveBlock, PostMortem, largest_blocks_from_snapshot, render_post_mortem
-from lightning_memtrace.tracker import AllocationTracker, OutOfMemoryEvent, is_out_of_memory, requested_bytes_from_message
+from lightning_memtrace.tracker import (
+    AllocationTracker,
+    OutOfMemoryEvent,
+    RowMark,
+    is_out_of_memory,
+    requested_bytes_from_message,
+)
 from lightning_memtrace.types import STAGE_AFTER_PHASE, Category, Phase, PhaseRecord, Stage
 
 SNAPSHOT_FORMAT = 1
+#: Deferred rows (see :meth:`MemoryRecorder.flush`) are read at the end of every training batch, and during
+#: validation once this many are waiting or this many seconds have passed.
+_DEFERRED_ROWS_MAX = 256
+_DEFERRED_SECONDS_MAX = 2.0
+_CATEGORY_NAMES = {category: category.value for category in Category}
 
 
 class MemTraceWarning(UserWarning):
@@ -161,6 +172,8 @@ class MemoryRecorder:
         self._window_start_allocated = 0
         self._history_done = False
         self._oom: dict[str, Any] | None = None
+        self._deferred: deque[RowMark] = deque()
+        self._last_sync = time.monotonic()
 
     # ------------------------------------------------------------------------------------------------ lifecycle
     def start(self) -> MemoryRecorder:
@@ -170,6 +183,12 @@ class MemoryRecorder:
         if self.tracker is not None:
             self.tracker.oom_listeners.append(self._on_tracker_oom)
             self.tracker.start()
+            if self.tracker.fallback_reason is not None:
+                self._warn(
+                    "backend",
+                    f"counting CPU memory with the dispatch mode (slower) instead of the allocator's reports: "
+                    f"{self.tracker.fallback_reason}",
+                )
         for optimizer in self.categories.optimizers:
             self._hook_optimizer(optimizer)
         if self.post_mortem_enabled and self.device.type == "cuda":
@@ -197,6 +216,7 @@ class MemoryRecorder:
                 if self._on_tracker_oom in self.tracker.oom_listeners:
                     self.tracker.oom_listeners.remove(self._on_tracker_oom)
                 self.tracker.stop()
+                self._emit_deferred()
             if self._csv is not None:
                 self._csv.close()
                 self._csv = None
@@ -295,6 +315,12 @@ class MemoryRecorder:
         self._in_batch = False
         self._inputs = {}
         self.saved.clear()
+        if self._deferred and (
+            self.training
+            or len(self._deferred) >= _DEFERRED_ROWS_MAX
+            or time.monotonic() - self._last_sync >= _DEFERRED_SECONDS_MAX
+        ):
+            self._sync()
         if self.training:
             if next_step is None:
                 next_step = self.step + (1 if self._stepped_this_batch else 0)
@@ -320,9 +346,32 @@ class MemoryRecorder:
 
     def measure(self, phase: Phase) -> PhaseRecord:
         """Measure now, without writing: allocated, reserved, peak since the last measurement, and categories."""
-        if self.tracker is not None:
-            self.tracker.sync()
+        self._sync()
         return self._measure(phase)
+
+    def flush(self) -> None:
+        """Read the allocator's reports now and deliver every row still waiting for them (CSV, ``on_record``).
+
+        With the CPU allocator's reports (the default on CPU, outside the history window), a row is taken where it
+        happens but its allocated and peak bytes are read from the report stream later: at the end of each training
+        batch, during validation every few hundred rows or seconds, and here.
+        """
+        self._sync()
+
+    def _sync(self) -> None:
+        tracker = self.tracker
+        if tracker is None:
+            return
+        tracker.sync()
+        self._last_sync = time.monotonic()
+        if tracker.session_lost:
+            self._warn(
+                "session",
+                "another profiler took over the profiling session MemTrace reads the CPU allocator's reports "
+                "from; allocated/peak miss what was freed meanwhile (pass allocation_backend='dispatch' to "
+                "profile and measure together).",
+            )
+        self._emit_deferred()
 
     def _measure(self, phase: Phase) -> PhaseRecord:
         classified = self._adopt_known()
@@ -353,34 +402,91 @@ class MemoryRecorder:
         )
 
     def _record(self, phase: Phase) -> PhaseRecord | None:
-        if self.tracker is not None:
-            # Allocations reported since the last row belong to the stage that is ending.
-            self.tracker.sync()
-            if self.tracker.session_lost:
-                self._warn(
-                    "session",
-                    "another profiler took over the profiling session MemTrace reads the CPU allocator's reports "
-                    "from; allocated/peak miss what was freed meanwhile (pass allocation_backend='dispatch' to "
-                    "profile and measure together).",
-                )
+        tracker = self.tracker
+        deferring = tracker is not None and tracker.deferring
+        if tracker is not None and not deferring:
+            self._sync()  # allocations reported since the last row belong to the stage that is ending
         self._set_stage(STAGE_AFTER_PHASE[phase])
         now_us = time.time_ns() // 1000
         self.phase_marks.append((self.step, phase.value, now_us))
+        if deferring:
+            assert tracker is not None
+            self._defer_row(tracker, phase, now_us / 1e6)
+            return None
         if not self._take_rows:
             return None
         record = self._measure(phase)
-        self.records.append(record)
-        self._write_row(record)
-        if self.on_record is not None:
-            self.on_record(record)
+        self._deliver([record])
         return record
+
+    def _defer_row(self, tracker: AllocationTracker, phase: Phase, time_s: float) -> None:
+        """Take a row whose categories are named now and whose allocated/peak bytes are read at its mark."""
+        if not self._take_rows:
+            tracker.mark(RowMark(tracker.stage, tracker.metadata))  # the stage still changes there
+            return
+        classified = self.categories.classify(
+            inputs=self._live_inputs(), saved=self.saved.live_storages() if self.training else None
+        )
+        totals = CategoryCounter.totals(classified)
+        if not self.training:
+            totals[Category.ACTIVATIONS] = 0
+        labels: list[tuple[int, str]] = []
+        foreign: list[tuple[weakref.ref, str]] = []
+        counted = tracker.counts_address
+        for category, storage in classified.values():
+            addr = storage.data_ptr()
+            name = _CATEGORY_NAMES[category]
+            labels.append((addr, name))
+            if not counted(addr):
+                foreign.append((weakref.ref(storage), name))
+        payload = (phase, self.step, self.epoch, self.batch_idx, time_s, totals)
+        row = RowMark(tracker.stage, tracker.metadata, labels, foreign, payload)
+        tracker.mark(row)
+        self._deferred.append(row)
+
+    def _emit_deferred(self) -> None:
+        """Deliver, in order, the deferred rows whose marks the report stream has reached."""
+        rows = self._deferred
+        records = []
+        while rows and rows[0].allocated is not None:
+            row = rows.popleft()
+            phase, step, epoch, batch_idx, time_s, totals = row.payload
+            allocated = int(row.allocated)
+            named = sum(totals.values())
+            records.append(
+                PhaseRecord(
+                    step=step,
+                    epoch=epoch,
+                    batch_idx=batch_idx,
+                    rank=self.rank,
+                    phase=phase,
+                    time_s=time_s,
+                    allocated_bytes=allocated,
+                    reserved_bytes=allocated,
+                    peak_bytes=int(max(row.peak or 0, allocated)),
+                    parameters_bytes=totals[Category.PARAMETERS],
+                    gradients_bytes=totals[Category.GRADIENTS],
+                    optimizer_state_bytes=totals[Category.OPTIMIZER_STATE],
+                    activations_bytes=totals[Category.ACTIVATIONS],
+                    inputs_bytes=totals[Category.INPUTS],
+                    other_bytes=max(0, allocated - named),
+                )
+            )
+        if records:
+            self._deliver(records)
+
+    def _deliver(self, records: list[PhaseRecord]) -> None:
+        self.records.extend(records)
+        self._write_rows(records)
+        if self.on_record is not None:
+            for record in records:
+                self.on_record(record)
 
     def _set_stage(self, stage: Stage) -> None:
         self.stage = stage
         metadata = f"phase={stage.value} step={self.step}"
         if self.tracker is not None:
-            self.tracker.stage = stage.value
-            self.tracker.metadata = metadata
+            self.tracker.set_stage(stage.value, metadata)
         if self._window is not None and self.device.type == "cuda":
             cuda_history.set_allocation_metadata(metadata)
 
@@ -407,18 +513,37 @@ class MemoryRecorder:
         )
 
     @property
+    def max_allocated_bytes(self) -> int:
+        """The highest allocated bytes of the run so far, on the measured device.
+
+        On CUDA, MemTrace resets the device's peak statistics at every row (the only way to learn each phase's peak),
+        so ``torch.cuda.max_memory_allocated()`` then reads the peak since the last row; this keeps the run's maximum,
+        the peak the statistics held when the recorder started included.
+        """
+        if self.counters is not None:
+            return int(self.counters.max_allocated)
+        return max((record.peak_bytes for record in self.records), default=0)
+
+    @property
+    def max_reserved_bytes(self) -> int:
+        """The highest reserved bytes of the run so far (see :attr:`max_allocated_bytes`)."""
+        if self.counters is not None:
+            return int(self.counters.max_reserved)
+        return max((record.reserved_bytes for record in self.records), default=0)
+
+    @property
     def csv_path(self) -> Path | None:
         return self.output_dir / phases_filename(self.rank) if self.output_dir is not None else None
 
-    def _write_row(self, record: PhaseRecord) -> None:
+    def _write_rows(self, records: list[PhaseRecord]) -> None:
         if not self._outputs_ok or self.output_dir is None:
             return
         try:
             if self._csv is None:
                 self._csv = PhaseCsvWriter(self.output_dir / phases_filename(self.rank), max_rows=self.max_rows)
-            if self._csv.write(record):
-                self.rows_written += 1
-            elif "rows" not in self._warned and self._csv.full:
+            written = self._csv.write_many(records)
+            self.rows_written += written
+            if written < len(records) and "rows" not in self._warned and self._csv.full:
                 self._warn("rows", f"the CSV reached max_rows={self.max_rows}; further rows are not written")
         except OSError as error:
             self._output_failed("the phases CSV", error)
@@ -459,8 +584,7 @@ class MemoryRecorder:
         return {"segments": [], "device_traces": []}
 
     def _memtrace_metadata(self, first: int, last: int, since_us: int) -> dict[str, Any]:
-        if self.tracker is not None:
-            self.tracker.sync()
+        self._sync()
         classified = self._adopt_known()
         return {
             "format": SNAPSHOT_FORMAT,
@@ -530,8 +654,7 @@ class MemoryRecorder:
         return [LiveBlock(e.nbytes, list(e.frames or []), e.metadata, e.category or "") for e in entries]
 
     def _capture_oom_state(self, requested: int | None, frames: list, device_free: int | None = None) -> None:
-        if self.tracker is not None:
-            self.tracker.sync()
+        self._sync()
         classified = self._adopt_known()
         totals = {c.value: v for c, v in CategoryCounter.totals(classified).items()}
         if self.tracker is not None:

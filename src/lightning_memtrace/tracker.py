@@ -12,6 +12,7 @@ keeps the events in the format of ``torch.cuda.memory._snapshot()``, so that the
 from __future__ import annotations
 
 import re
+import threading
 import time
 import weakref
 from collections import deque
@@ -41,6 +42,9 @@ _RESIZING_OPS = frozenset({"resize_", "resize_as_", "set_", "resize_storage_byte
 _CPU_OOM_PATTERN = re.compile(r"tried to allocate (\d+) bytes")
 _CUDA_OOM_PATTERN = re.compile(r"Tried to allocate ([\d.]+) (B|KiB|MiB|GiB|TiB)")
 _UNIT_FACTORS = {"B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3, "TiB": 1024**4}
+#: Size of the block that puts a mark into the CPU allocator's report stream (a row, a free seen by weak reference).
+#: Odd, so that no tensor's block is this size; the block is freed at once, and neither report is counted.
+MARK_BYTES = 4093
 
 
 def is_out_of_memory(exception: BaseException) -> bool:
@@ -81,6 +85,39 @@ class LiveAllocation:
         self.ref: weakref.ref | None = None
 
 
+class RowMark:
+    """A row taken while the allocator's reports are read later: its stage starts, and its allocated and peak bytes
+    are read, where the report stream reaches its mark.
+
+    Attributes:
+        stage: The stage allocations belong to from the mark on; ``metadata`` likewise.
+        labels: ``(address, category)`` of every storage the row named: blocks at those addresses get the category.
+        foreign: ``(weak reference, category)`` of named storages at addresses the reports had not shown by the
+            time of the row: counted (adopted) at the mark unless a report shows them by then.
+        allocated: Bytes live at the mark (None until the stream reaches it).
+        peak: Highest bytes live since the previous row's mark (None until then).
+        payload: What the taker of the row keeps with it.
+    """
+
+    __slots__ = ("stage", "metadata", "labels", "foreign", "allocated", "peak", "payload")
+
+    def __init__(
+        self,
+        stage: str,
+        metadata: str,
+        labels: list[tuple[int, str]] | None = None,
+        foreign: list[tuple[weakref.ref, str]] | None = None,
+        payload: Any = None,
+    ) -> None:
+        self.stage = stage
+        self.metadata = metadata
+        self.labels = labels or []
+        self.foreign = foreign or []
+        self.allocated: int | None = None
+        self.peak: int | None = None
+        self.payload = payload
+
+
 @dataclass
 class OutOfMemoryEvent:
     """What the tracker saw when an allocation failed."""
@@ -106,7 +143,9 @@ def _dispatch(mode: _TrackerMode, func: Any, types: Any, args: tuple = (), kwarg
     try:
         out = call(*args, **kwargs) if kwargs else call(*args)
     except RuntimeError as error:
-        if is_out_of_memory(error):
+        if tracker.backend == "dispatch" and is_out_of_memory(error):
+            # Under backend "reports" the failure is recorded by note_oom() once the error has left the operator:
+            # reading the reports inside it would hand the operator's caller a warning of torch's about the session.
             tracker._record_oom(error)
         raise
     if fresh:
@@ -203,11 +242,19 @@ class AllocationTracker:
         self.window_stacks = True
         self._allocated = 0
         self._peak = 0
+        self._max_allocated = 0
         self.capture_all_frames = False
         self.frames_min_bytes = frames_min_bytes
         self.stack_depth = stack_depth
+        #: The stage (and its snapshot tag) allocations are made in now: see :meth:`set_stage`.
         self.metadata = ""
         self.stage = "outside"
+        # The stage at the point of the report stream being applied (behind `stage` while rows are deferred).
+        self._stream_metadata = ""
+        self._stream_stage = "outside"
+        # Marks put into the report stream and not reached yet: (address of the mark's block or None, mark).
+        self._marks: deque[tuple[int | None, RowMark | LiveAllocation]] = deque()
+        self._thread = threading.get_ident()
         self.oom_events: deque[OutOfMemoryEvent] = deque(maxlen=8)
         self.oom_listeners: list[Callable[[OutOfMemoryEvent], None]] = []
         self._live: dict[int, LiveAllocation] = {}
@@ -280,6 +327,7 @@ class AllocationTracker:
         reports, self._reports = self._reports, None
         if reports is not None:
             self._apply_reports(reports.stop())
+        self._reach_marks(len(self._marks))
 
     def sync(self) -> None:
         """Take in the allocator's reports since the last call (backend "reports"; nothing to do otherwise)."""
@@ -301,18 +349,100 @@ class AllocationTracker:
             except Exception:  # still not ours to open: try again at the next read
                 pass
         self._apply_reports(events)
+        self._reach_marks(len(self._marks))
+
+    @property
+    def deferring(self) -> bool:
+        """Rows are read where the report stream reaches their marks (backend "reports", outside a history window)."""
+        return self._reports is not None and not self.capture_all_frames
+
+    def set_stage(self, stage: str, metadata: str) -> None:
+        """Allocations from now on belong to ``stage`` (tagged ``metadata``).
+
+        While :attr:`deferring`, the stage changes in the report stream at the next :meth:`mark` (which carries it).
+        """
+        self.stage, self.metadata = stage, metadata
+        if not self.deferring:
+            self._stream_stage, self._stream_metadata = stage, metadata
+
+    def mark(self, mark: RowMark | LiveAllocation) -> None:
+        """Put ``mark`` into the allocator's report stream here: it takes effect when :meth:`sync` reaches it.
+
+        A :class:`RowMark` starts its stage and reads its row; a :class:`LiveAllocation` (a storage counted by weak
+        reference) is freed. The mark is a block of :data:`MARK_BYTES` allocated and freed at once on this thread; a
+        mark made on another thread reaches no report stream and takes effect with the next mark after it.
+        """
+        if threading.get_ident() != self._thread:
+            self._marks.append((None, mark))
+            return
+        block = torch.UntypedStorage(MARK_BYTES, device="cpu")
+        self._marks.append((block.data_ptr(), mark))
+        del block
+
+    def _reach_marks(self, count: int) -> None:
+        """Apply the first ``count`` marks, oldest first, at the current point of the stream."""
+        marks = self._marks
+        for _ in range(count):
+            mark = marks.popleft()[1]
+            if type(mark) is RowMark:
+                self._reach_row(mark)
+            else:
+                self._allocated -= mark.nbytes
+                self._events.append((_FREE, time.time_ns() // 1000, mark, self._stream_metadata))
+
+    def _reach_row(self, row: RowMark) -> None:
+        self._stream_stage, self._stream_metadata = row.stage, row.metadata
+        for ref, category in row.foreign:
+            storage = ref()
+            if storage is not None and storage.data_ptr() not in self._blocks:
+                self._track_storage(storage, adopted=True)
+        blocks, live, live_addrs = self._blocks, self._live, self._live_addrs
+        for addr, category in row.labels:
+            entry = blocks.get(addr)
+            if entry is None:
+                key = live_addrs.get(addr)
+                entry = live.get(key) if key is not None else None
+            if entry is not None:
+                entry.category = category
+        row.allocated = allocated = self._allocated
+        row.peak = max(self._peak, allocated)
+        self.reset_peak()
+
+    def _mark_at(self, addr: int) -> int | None:
+        """How many marks the stream reaches with a mark block at ``addr`` (marks before it that never reached the
+        stream, made on another thread, come with it)."""
+        for index, (mark_addr, _) in enumerate(self._marks):
+            if mark_addr == addr:
+                return index + 1
+        return None
 
     def _apply_reports(self, events: list[tuple[int, int, int]]) -> None:
         blocks = self._blocks
         live_addrs = self._live_addrs
         pending = self._pending_frames
         history = self._events
-        metadata, stage = self.metadata, self.stage
+        marks = self._marks
+        metadata = self._stream_metadata
+        stage = self._stream_stage
         with_frames = self.capture_all_frames
         last_frames: list[Frame] | None = None
         orphans: list[LiveAllocation] = []
         allocated, peak = self._allocated, self._peak
-        for time_ns, addr, size in events:
+        mark_free: int | None = None
+        last = len(events) - 1
+        for index, (time_ns, addr, size) in enumerate(events):
+            if size == MARK_BYTES and marks and index < last and events[index + 1][1:] == (addr, -MARK_BYTES):
+                reached = self._mark_at(addr)
+                if reached is not None:
+                    self._allocated, self._peak = allocated, peak
+                    self._reach_marks(reached)
+                    allocated, peak = self._allocated, self._peak
+                    metadata, stage = self._stream_metadata, self._stream_stage
+                    mark_free = addr
+                    continue
+            elif mark_free == addr and size == -MARK_BYTES:
+                mark_free = None
+                continue
             now = time_ns // 1000
             if size > 0:
                 stale = blocks.pop(addr, None)
@@ -377,12 +507,22 @@ class AllocationTracker:
         self.sync()
         return self._peak
 
+    def counts_address(self, addr: int) -> bool:
+        """Memory at ``addr`` is counted: a block the allocator reported, or a storage counted by weak reference."""
+        return addr in self._blocks or addr in self._live_addrs
+
     def counters(self) -> tuple[int, int]:
         """(allocated, peak) as they stand, without taking in new reports (see :meth:`sync`)."""
         return self._allocated, self._peak
 
     def reset_peak(self) -> None:
+        self._max_allocated = max(self._max_allocated, self._peak)
         self._peak = self._allocated
+
+    @property
+    def max_allocated(self) -> int:
+        """Highest :attr:`allocated` since the tracker was made (peak resets do not touch it)."""
+        return max(self._max_allocated, self._peak)
 
     def live_allocations(self) -> list[LiveAllocation]:
         self.sync()
@@ -505,7 +645,7 @@ class AllocationTracker:
         frames = None
         if self.capture_all_frames or nbytes >= self.frames_min_bytes:
             frames = capture_frames(skip=skip, depth=self.stack_depth)
-        entry = LiveAllocation(nbytes, addr, now, frames, self.metadata, self.stage)
+        entry = LiveAllocation(nbytes, addr, now, frames, self._stream_metadata, self._stream_stage)
         ref = entry.ref = weakref.ref(storage, self._on_freed)
         self._ref_keys[id(ref)] = key
         self._live[key] = entry
@@ -527,8 +667,11 @@ class AllocationTracker:
         addrs = self._live_addrs
         if addrs.get(entry.addr) == key:
             del addrs[entry.addr]
+        if self.deferring:
+            self.mark(entry)  # counted down where the report stream reaches the free
+            return
         self._allocated -= entry.nbytes
-        self._events.append((_FREE, time.time_ns() // 1000, entry, self.metadata))
+        self._events.append((_FREE, time.time_ns() // 1000, entry, self._stream_metadata))
 
     def _refresh_sizes(self, args: tuple) -> None:
         if self.backend == "reports":
@@ -549,7 +692,7 @@ class AllocationTracker:
                 self._live.pop(storage._cdata, None)
                 self._live_addrs.pop(entry.addr, None)
                 self._allocated -= entry.nbytes
-                self._events.append((_FREE, time.time_ns() // 1000, entry, self.metadata))
+                self._events.append((_FREE, time.time_ns() // 1000, entry, self._stream_metadata))
                 self._track_storage(storage)
 
     def note_oom(self, error: BaseException) -> None:
@@ -587,6 +730,7 @@ class AllocationTracker:
         """
         if self._reports is not None:
             self.sync()  # reports up to now belong outside (or inside) the window that is closing (or opening)
+            self._stream_stage, self._stream_metadata = self.stage, self.metadata
             if enabled and self.window_stacks:
                 self._enter_mode()
             else:

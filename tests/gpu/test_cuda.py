@@ -92,3 +92,23 @@ def test_real_cuda_oom_post_mortem(tmp_path):
         snapshot = pickle.load(handle)
     assert snapshot["segments"]
     assert snapshot["memtrace"]["post_mortem"]["requested_bytes"] >= int(total * 0.6)
+
+
+def test_max_allocated_bytes_is_the_runs_peak_although_rows_reset_the_statistics(tmp_path):
+    """MemTrace resets CUDA's peak statistics at every row; MemTrace.max_allocated_bytes keeps the run's peak."""
+    torch.manual_seed(0)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    _gpu_trainer(tmp_path / "bare", [], max_steps=3).fit(TinyLM(batch_size=4, seq_len=64))
+    bare_peak = torch.cuda.max_memory_allocated()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    callback = MemTrace(history=False, report=False)
+    torch.manual_seed(0)
+    _gpu_trainer(tmp_path / "mt", [callback], max_steps=3).fit(TinyLM(batch_size=4, seq_len=64))
+    phases = load_phases(callback.output_dir)
+    assert callback.max_allocated_bytes == max(int(phases.peak_bytes.max()), callback.max_allocated_bytes)
+    assert callback.max_allocated_bytes >= phases.peak_bytes.max()
+    # the same run without MemTrace peaks at the same bytes (categories add no device memory)
+    assert abs(callback.max_allocated_bytes - bare_peak) <= 0.01 * bare_peak
+    assert torch.cuda.max_memory_allocated() <= callback.max_allocated_bytes
