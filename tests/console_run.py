@@ -2,7 +2,8 @@
 
 Usage: python tests/console_run.py OUT_DIR MODE STEPS [memtrace]
 MODE: fit (training and validation, progress bar on), oom (dies of a CPU out-of-memory error in step 2), profiler
-(``Trainer(profiler="pytorch")``), resume (fits, then fits again from its checkpoint in the same process).
+(``Trainer(profiler="pytorch")``), resume (fits, then fits again from its checkpoint in the same process), rounds
+(three rounds of a fit without MemTrace and one with it, of a tiny LM, in one process, as a benchmark does).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning_memtrace import MemTrace  # noqa: E402
-from lm_helpers import MLP  # noqa: E402
+from lm_helpers import MLP, TinyLM  # noqa: E402
 
 
 def make_trainer(out: Path, steps: int, callbacks: list, **kwargs) -> pl.Trainer:
@@ -42,6 +43,10 @@ def main() -> None:
         checkpoint = ModelCheckpoint(dirpath=out / "ckpt", save_last=True)
         make_trainer(out, steps, [*callbacks(), checkpoint]).fit(MLP())
         make_trainer(out, 2 * steps, callbacks()).fit(MLP(), ckpt_path=str(out / "ckpt" / "last.ckpt"))
+    elif mode == "rounds":
+        for round_index in range(3):
+            make_trainer(out / f"bare{round_index}", steps, []).fit(TinyLM(n_train=4 * steps))
+            make_trainer(out / f"run{round_index}", steps, callbacks()).fit(TinyLM(n_train=4 * steps))
     else:
         raise SystemExit(f"unknown mode {mode}")
 

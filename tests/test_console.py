@@ -66,7 +66,7 @@ def _normalized(lines: list[str]) -> set[str]:
     }
 
 
-@pytest.mark.parametrize("mode", ["fit", "oom", "profiler", "resume"])
+@pytest.mark.parametrize("mode", ["fit", "oom", "profiler", "resume", "rounds"])
 def test_memtrace_adds_no_console_line(tmp_path, mode):
     bare_code, bare = _run(tmp_path, mode, 4, memtrace=False)
     code, lines = _run(tmp_path, mode, 4, memtrace=True)

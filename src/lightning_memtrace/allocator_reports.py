@@ -57,6 +57,17 @@ def another_profiler_active() -> bool:
     return api is not None and bool(api[0]._profiler_enabled())
 
 
+def track_every_cpu_block() -> None:
+    """Note every CPU block's size from now on (see :meth:`_NativeLogging.track_every_cpu_block`), where possible.
+
+    Called as early as MemTrace is made, so that blocks of the model and data made afterwards are known to a later
+    session.
+    """
+    native = _native_logging()
+    if native is not None:
+        native.track_every_cpu_block()
+
+
 def unavailable_reason() -> str | None:
     """Why allocator reports cannot be read here, or None when they can."""
     if _profiler_api() is None:
@@ -129,17 +140,26 @@ class _NativeLogging:
         finally:
             c10.value = previous
 
-    def track_every_cpu_block(self, enabled: bool) -> bool:
-        """Have the CPU allocator note every block's size, on every thread, also while no session records.
+    def track_every_cpu_block(self) -> None:
+        """Have the CPU allocator note every block's size from now on, on every thread, also while no session records.
 
-        A block it knows is freed without the "unknown size" warning, and its free is reported. It logs each block
-        at INFO level then: never turned on where the C++ log level shows INFO lines. Returns the previous setting.
+        The allocator warns (on the 1st, 1001st, ... occasion) when a session sees a block freed whose size it never
+        noted: a block made while no session was open, such as one of an earlier run in the same process. Noting
+        every block costs the allocator a table insert per allocation; it stays on for the rest of the process, since
+        a block made while it is off is unknown whenever it is freed. The allocator also logs each block at INFO
+        level then, so it is never turned on where the C++ log level shows INFO lines.
         """
-        previous = bool(self._report_cpu.value)
-        if enabled and self._c10.value <= 0:
-            return previous
-        self._report_cpu.value = enabled
-        return previous
+        if self._c10.value > 0:
+            self._report_cpu.value = True
+
+    def unknown_block(self) -> torch.Tensor:
+        """A block whose size the CPU allocator does not note (freeing it under a session is an "unknown" free)."""
+        previous = self._report_cpu.value
+        self._report_cpu.value = False
+        try:
+            return torch.empty(1, dtype=torch.uint8)
+        finally:
+            self._report_cpu.value = previous
 
 
 def _library(name: str) -> ctypes.CDLL | None:
@@ -214,7 +234,6 @@ class AllocatorReports:
         # A scope no training code opens: operators and record_function ranges stay unrecorded.
         self._scopes = {profiler.RecordScope.LITE_INTERPRETER}
         self._allocation_type = profiler._ExtraFields_Allocation
-        self._tracked_every_block: bool | None = None
         self.active = False
 
     def start(self) -> None:
@@ -225,9 +244,8 @@ class AllocatorReports:
             raise RuntimeError(reason)
         # Training frees blocks made before MemTrace started as a matter of course, and the allocator warns on the
         # first such free: spend that warning here, silenced, on a block made for the purpose.
-        block = None if AllocatorReports._unknown_free_warning_spent else torch.empty(1, dtype=torch.uint8)
-        if self._tracked_every_block is None:
-            self._tracked_every_block = self._native.track_every_cpu_block(True)
+        block = None if AllocatorReports._unknown_free_warning_spent else self._native.unknown_block()
+        self._native.track_every_cpu_block()
         self._open()
         self.active = True
         if block is not None:
@@ -296,7 +314,3 @@ class AllocatorReports:
             return self.drain(reopen=False)
         except SessionLost:
             return []
-        finally:
-            if self._tracked_every_block is not None:
-                self._native.track_every_cpu_block(self._tracked_every_block)
-                self._tracked_every_block = None

@@ -186,6 +186,10 @@ class MemTrace(Callback):
         if allocation_backend not in ("auto", "reports", "dispatch"):
             raise ValueError(f"allocation_backend must be 'auto', 'reports' or 'dispatch', not {allocation_backend!r}")
         self.allocation_backend = allocation_backend
+        if allocation_backend != "dispatch" and track_allocations is not False:
+            from lightning_memtrace.allocator_reports import track_every_cpu_block
+
+            track_every_cpu_block()
         self.dirpath = Path(dirpath) if dirpath is not None else None
         self.track_allocations = track_allocations
         self.history = history

@@ -173,6 +173,9 @@ class MemoryRecorder:
         self._history_done = False
         self._oom: dict[str, Any] | None = None
         self._deferred: deque[RowMark] = deque()
+        # Validation rows: the model states (parameters, gradients, optimizer state) named once per validation run,
+        # with their totals and labels (nothing trains meanwhile), and the inputs named per row.
+        self._model_states: tuple[dict, dict[Category, int], list, list] | None = None
         self._last_sync = time.monotonic()
 
     # ------------------------------------------------------------------------------------------------ lifecycle
@@ -262,7 +265,9 @@ class MemoryRecorder:
         self._take_rows = self.step % self.every_n_steps == 0
         self.saved.pop()
         self.saved.clear()
-        self.categories.refresh()
+        if training or self._model_states is None:
+            self._model_states = None
+            self.categories.refresh()
         self._inputs = {
             key: weakref.ref(storage) for key, storage in input_storages(batch, self.device).items()
         } if batch is not None else {}
@@ -424,25 +429,54 @@ class MemoryRecorder:
         if not self._take_rows:
             tracker.mark(RowMark(tracker.stage, tracker.metadata))  # the stage still changes there
             return
-        classified = self.categories.classify(
-            inputs=self._live_inputs(), saved=self.saved.live_storages() if self.training else None
-        )
-        totals = CategoryCounter.totals(classified)
-        if not self.training:
-            totals[Category.ACTIVATIONS] = 0
+        if self.training:
+            classified = self.categories.classify(inputs=self._live_inputs(), saved=self.saved.live_storages())
+            totals, labels, foreign = self._row_parts(tracker, classified)
+        else:
+            totals, labels, foreign = self._validation_row_parts(tracker)
+        payload = (phase, self.step, self.epoch, self.batch_idx, time_s, totals)
+        row = RowMark(tracker.stage, tracker.metadata, labels, foreign, payload)
+        tracker.mark(row)
+        self._deferred.append(row)
+
+    @staticmethod
+    def _row_parts(
+        tracker: AllocationTracker, classified: dict[int, tuple[Category, torch.UntypedStorage]]
+    ) -> tuple[dict[Category, int], list[tuple[int, str]], list[tuple[weakref.ref, str]]]:
+        """Totals by category, ``(address, category)`` labels, and the storages at addresses not counted yet."""
+        totals = {category: 0 for category in Category}
         labels: list[tuple[int, str]] = []
         foreign: list[tuple[weakref.ref, str]] = []
         counted = tracker.counts_address
         for category, storage in classified.values():
+            totals[category] += storage.nbytes()
             addr = storage.data_ptr()
             name = _CATEGORY_NAMES[category]
             labels.append((addr, name))
             if not counted(addr):
                 foreign.append((weakref.ref(storage), name))
-        payload = (phase, self.step, self.epoch, self.batch_idx, time_s, totals)
-        row = RowMark(tracker.stage, tracker.metadata, labels, foreign, payload)
-        tracker.mark(row)
-        self._deferred.append(row)
+        return totals, labels, foreign
+
+    def _validation_row_parts(
+        self, tracker: AllocationTracker
+    ) -> tuple[dict[Category, int], list[tuple[int, str]], list[tuple[weakref.ref, str]]]:
+        first = self._model_states is None
+        if self._model_states is None:
+            states = self.categories.classify()
+            self._model_states = (states, *self._row_parts(tracker, states))
+        states, state_totals, state_labels, state_foreign = self._model_states
+        inputs = {
+            key: (Category.INPUTS, storage)
+            for key, storage in self._live_inputs().items()
+            if key not in states and storage.device == self.device
+        }
+        totals, labels, foreign = self._row_parts(tracker, inputs)
+        for category, nbytes in state_totals.items():
+            totals[category] += nbytes
+        totals[Category.ACTIVATIONS] = 0
+        if first:  # the model states keep their labels for the rest of the validation run
+            labels, foreign = state_labels + labels, state_foreign + foreign
+        return totals, labels, foreign
 
     def _emit_deferred(self) -> None:
         """Deliver, in order, the deferred rows whose marks the report stream has reached."""
