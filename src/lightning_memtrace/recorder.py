@@ -201,6 +201,9 @@ class MemoryRecorder:
                 self._csv.close()
                 self._csv = None
 
+    def flush(self) -> None:
+        """Deliver every pending row to ``on_record`` (rows are delivered at once in this version)."""
+
     def __enter__(self) -> MemoryRecorder:
         return self.start()
 
