@@ -87,7 +87,7 @@ def test_trainer_with_pytorch_profiler_uses_the_dispatch_tracker(tmp_path):
     callback = MemTrace()
     run = trainer(tmp_path, [callback], max_steps=2, profiler="pytorch")
     run.fit(MLP())
-    assert callback.recorder.tracker.backend == "dispatch"
+    assert callback.tracker_backend == "dispatch"
     phases = load_phases(callback.output_dir)
     assert len(phases) == 10 and (phases.allocated_bytes > 0).all()
 
@@ -121,7 +121,7 @@ class FreesOldBlocks(MLP):
 
 callback = MemTrace()
 trainer(sys.argv[2], [callback], max_steps=2).fit(FreesOldBlocks())
-print("backend", callback.recorder.tracker.backend)
+print("backend", callback.tracker_backend)
 """
 
 

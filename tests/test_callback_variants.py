@@ -82,7 +82,7 @@ def test_metrics_reach_every_logger(tmp_path):
     csv_logger = CSVLogger(str(tmp_path), name="csv")
     tb_logger = TensorBoardLogger(str(tmp_path), name="tb")
     callback = MemTrace()
-    trainer(tmp_path, [callback], max_steps=2, logger=[tb_logger, csv_logger]).fit(MLP())
+    trainer(tmp_path, [callback], max_steps=2, logger=[tb_logger, csv_logger], log_every_n_steps=1).fit(MLP())
     # files go into the first logger's log_dir
     assert callback.output_dir == Path(tb_logger.log_dir) / "memtrace"
     phases = load_phases(callback.output_dir)

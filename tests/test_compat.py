@@ -49,7 +49,7 @@ def test_compiled_module_with_clipping_and_bf16_mixed(tmp_path):
     said = [str(w.message) for w in caught if "MemTrace" in str(w.message)]
     # the allocator's reports see compiled code run: the tracker stays on, and nothing needs saying
     assert said == []
-    assert callback.recorder.tracker is not None and callback.recorder.tracker.backend == "reports"
+    assert callback.tracker_backend == "reports"
     phases = load_phases(callback.output_dir)
     assert len(phases) == 15
     pbytes = unique_storage_bytes(module.parameters())
@@ -73,7 +73,7 @@ def test_compiled_module_with_the_dispatch_tracker_warns_and_runs_compiled(tmp_p
         trainer(tmp_path, [callback], max_steps=3).fit(Compiled())
     said = [str(w.message) for w in caught if "MemTrace" in str(w.message)]
     assert len(said) == 1 and "compile" in said[0] and "allocation tracker" in said[0]
-    assert callback.recorder.tracker is None
+    assert callback.tracker_backend is None
     assert len(graphs) == 1
     assert len(load_phases(callback.output_dir)) == 15
 

@@ -30,6 +30,51 @@ from lightning_memtrace.units import MIB
 _F = TypeVar("_F", bound=Callable[..., Any])
 _RANK_BITS = 16
 TRAIN_PHASES = (Phase.BATCH_START, Phase.AFTER_FORWARD, Phase.AFTER_BACKWARD, Phase.AFTER_OPTIMIZER_STEP, Phase.BATCH_END)
+VAL_PHASES = (Phase.VAL_BATCH_START, Phase.VAL_BATCH_END)
+# per phase: (metric key, PhaseRecord attribute) for each counter, built once
+_METRIC_KEYS = {phase: tuple((f"memtrace/{phase.value}/{c}", f"{c}_bytes") for c in COUNTERS) for phase in Phase}
+
+
+def _log_step(trainer: pl.Trainer) -> int:
+    """The step Lightning logs its own metrics at: the fit loop's count of batches that stepped."""
+    try:
+        return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
+    except AttributeError:
+        return int(trainer.global_step)
+
+
+def _accumulating(trainer: pl.Trainer) -> bool:
+    """This batch only accumulates gradients: Lightning logs no step metrics after it (automatic optimization)."""
+    try:
+        return bool(trainer.fit_loop._should_accumulate()) and trainer.lightning_module.automatic_optimization
+    except AttributeError:
+        return False
+
+
+def _lightning_logs_now(trainer: pl.Trainer) -> bool:
+    """Lightning logs its step metrics after this training batch (``LoggerConnector.update_train_step_metrics``)."""
+    if _accumulating(trainer):
+        return False
+    connector = getattr(trainer, "_logger_connector", None)
+    try:
+        should = bool(connector.should_update_logs)  # type: ignore[union-attr]
+    except AttributeError:
+        every = trainer.log_every_n_steps
+        should = bool(every) and ((_log_step(trainer) + 1) % every == 0 or trainer.should_stop)
+    return should or bool(trainer.fast_dev_run)
+
+
+def _log_to_loggers(trainer: pl.Trainer, metrics: dict[str, float], step: int) -> None:
+    """Log through Lightning's own path, as its built-in callbacks do; a logger's exception propagates unchanged."""
+    if not metrics or not trainer.loggers:
+        return
+    log_metrics = getattr(getattr(trainer, "_logger_connector", None), "log_metrics", None)
+    if callable(log_metrics):
+        log_metrics(metrics, step=step)  # every logger: log_metrics(metrics=..., step=...), then save()
+        return
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics=metrics, step=step)
+        logger.save()
 
 
 def _profiles_with_torch(trainer: pl.Trainer) -> bool:
@@ -104,13 +149,31 @@ class MemTrace(Callback):
     - ``inputs_bytes``: storages of the batch's tensors on the device
     - ``other_bytes``: allocated minus the categories above, never negative
 
-    **Logged metrics**, through every logger of the Trainer, at the row's step, in MiB (1024-based):
-    ``memtrace/<phase>/<counter>`` for each phase above and each counter in ``allocated``, ``reserved``, ``peak``,
-    ``parameters``, ``gradients``, ``optimizer_state``, ``activations``, ``inputs``, ``other``.
+    **Logged metrics** reach every logger of the Trainer the way those of Lightning's built-in callbacks do: through
+    the Trainer's logger connector (each logger gets ``log_metrics(metrics=..., step=...)``, then ``save()``), at the
+    step Lightning logs its own metrics at (the count of batches that stepped), one call per logged step. Values are
+    in MiB (1024-based), ``_max_rank`` excepted. Counters: ``allocated``, ``reserved``, ``peak``, ``parameters``,
+    ``gradients``, ``optimizer_state``, ``activations``, ``inputs``, ``other``.
 
-    With several processes (DDP, FSDP), rank zero also logs ``memtrace/<phase>/<counter>_max`` (MiB, the maximum
-    over ranks) and ``memtrace/<phase>/<counter>_max_rank`` (the rank holding it), at most once per optimizer step
-    (by default every ``log_every_n_steps``).
+    - ``memtrace/<phase>/<counter>`` (MiB) for the training phases ``batch_start`` to ``batch_end``: at
+      ``on_train_batch_end`` of the batches after which Lightning logs its own step metrics (every
+      ``log_every_n_steps`` optimizer steps; every step under ``fast_dev_run``), never after a batch that only
+      accumulates gradients. Each value is the maximum over the rows of that optimizer step, so with
+      ``accumulate_grad_batches`` above 1 over its micro-batches. Rows of steps that are not logged are in the CSV only.
+    - ``memtrace/val_batch_start/<counter>``, ``memtrace/val_batch_end/<counter>`` (MiB): once per validation run
+      inside fit (``on_validation_end``; not in the sanity check), the maximum over that run's rows.
+    - ``memtrace/<phase>/<counter>_max`` (MiB, the maximum over ranks) and ``memtrace/<phase>/<counter>_max_rank``
+      (the rank holding it, a plain number): with several processes (DDP, FSDP), on rank zero, whenever the ranks are
+      gathered (see ``gather_every_n_steps``), in the same call as that step's training metrics.
+    - ``memtrace/estimate/<category>`` and ``memtrace/estimate/peak`` (MiB): with ``estimate=True``, once, at the
+      first training batch.
+
+    An exception raised by a logger propagates unchanged (MemTrace's own failures become one warning instead).
+
+    **Stages**: MemTrace measures ``fit`` only. At the end of it (``teardown``, or ``on_exception``) it stops and
+    lets go of its recorder, hooks and files, so the Trainer pickles as it would without MemTrace. A later
+    ``validate``, ``test`` or ``predict`` (or one alone) writes no rows and logs nothing; a later ``fit`` starts a
+    new recorder and appends its rows to the same CSV.
 
     **Snapshots**: for a window of steps (by default the second and third steps of the run) the allocator's history is
     recorded and written as ``snapshot_rank<R>_steps<a>-<b>.pickle``, which pytorch.org/memory_viz,
@@ -141,7 +204,7 @@ class MemTrace(Callback):
         max_entries: Ring-buffer size of the history, in events.
         frames_min_bytes: Outside the window, the dispatch-mode CPU tracker records a stack only for allocations at
             least this large (bytes); the allocator-reports tracker records stacks only inside the window.
-        log_metrics: Log the rows to the Trainer's loggers.
+        log_metrics: Log the rows' maxima to the Trainer's loggers (see **Logged metrics**).
         every_n_steps: Take rows only on global steps divisible by this.
         max_rows: Most rows written to the CSV per run.
         max_snapshots: Most window snapshots kept per rank (oldest removed).
@@ -215,11 +278,14 @@ class MemTrace(Callback):
         self._max_reserved_bytes = 0
         self.output_dir: Path | None = None
         self.device: Any = None
-        self._trainer: pl.Trainer | None = None
+        #: The allocation tracker's backend in the last fit (``"reports"`` or ``"dispatch"``), None without tracker.
+        self.tracker_backend: str | None = None
         self._rank = 0
         self._disabled = False
-        self._pending: dict[str, float] = {}
-        self._pending_step = 0
+        # maxima (MiB) of the rows taken since the last logged training step / in this validation run
+        self._train_metrics: dict[str, float] = {}
+        self._val_metrics: dict[str, float] = {}
+        self._estimate_metrics: dict[str, float] | None = None
         self._rows_total = 0
         self._last_step: int | None = None
         self._files: list[Path] = []
@@ -230,32 +296,23 @@ class MemTrace(Callback):
     def _disable(self, reason: str) -> None:
         self._disabled = True
         rank_zero_warn(f"MemTrace switched itself off: {reason}. Training goes on.")
-        recorder, self.recorder = self.recorder, None
-        if recorder is not None:
-            try:
-                recorder.stop()
-            except Exception:
-                pass
+        try:
+            self._finish()
+        except Exception:
+            pass
 
     def _on_record(self, record: PhaseRecord) -> None:
         self._rows_total += 1
         self._last_step = record.step
         if not self.log_metrics:
             return
-        if self._pending and record.step != self._pending_step:
-            self._flush_metrics()
-        self._pending_step = record.step
-        phase = record.phase.value
-        for counter in COUNTERS:
-            self._pending[f"memtrace/{phase}/{counter}"] = getattr(record, f"{counter}_bytes") / MIB
-
-    def _flush_metrics(self) -> None:
-        metrics, self._pending = self._pending, {}
-        trainer = self._trainer
-        if not metrics or trainer is None:
-            return
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=self._pending_step)
+        # Several rows of one phase before they are logged (micro-batches of one optimizer step, the batches of a
+        # validation run): each key keeps the maximum.
+        target = self._val_metrics if record.phase in VAL_PHASES else self._train_metrics
+        for key, attribute in _METRIC_KEYS[record.phase]:
+            value = getattr(record, attribute) / MIB
+            if value > target.get(key, -1.0):
+                target[key] = value
 
     @property
     def max_allocated_bytes(self) -> int:
@@ -277,11 +334,20 @@ class MemTrace(Callback):
 
     # --------------------------------------------------------------------------------------------- hooks
     @override
-    @_guarded
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
-            return
-        self._trainer = trainer
+            return  # MemTrace measures fit only: validate, test and predict alone run as if it were absent
+        # Every fit starts clean, also after one in which MemTrace switched itself off.
+        self._disabled = False
+        self._setup_fit(trainer)
+
+    @_guarded
+    def _setup_fit(self, trainer: pl.Trainer) -> None:
+        self._finish()
+        self._files = []
+        self.tracker_backend = None
+        self.last_rank_maxima = {}
+        self.estimated = self.estimate_comparison = None
         self._rank = trainer.global_rank
         if self.dirpath is not None:
             self.output_dir = self.dirpath
@@ -293,9 +359,7 @@ class MemTrace(Callback):
     @override
     @_guarded
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.recorder is not None:
-            self.recorder.stop()
-        self._files = []
+        self._finish()
         self.device = pl_module.device
         track_allocations = self.track_allocations
         backend = self.allocation_backend
@@ -341,11 +405,16 @@ class MemTrace(Callback):
         if self.recorder.tracker is not None:
             self.recorder.tracker.window_stacks = window_stacks
         self.recorder.start()
+        if self.recorder.tracker is not None:
+            self.tracker_backend = self.recorder.tracker.backend
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self._batch_step = trainer.global_step
         self._begin_train_batch(trainer, batch, batch_idx)
+        estimate, self._estimate_metrics = self._estimate_metrics, None
+        if estimate:
+            _log_to_loggers(trainer, estimate, _log_step(trainer))  # outside the guard: a logger's error propagates
 
     @_guarded
     def _begin_train_batch(self, trainer: pl.Trainer, batch: Any, batch_idx: int) -> None:
@@ -376,23 +445,34 @@ class MemTrace(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._end_train_batch(trainer)
+        metrics = self._end_train_batch(trainer) or {}
         # Outside the guard: every rank must reach the collective, also one whose MemTrace switched itself off.
         step = self._batch_step
         if self.gather_ranks and step is not None and trainer.global_step != step and trainer.world_size > 1:
             every = self.gather_every_n_steps or trainer.log_every_n_steps or 1
             # the same decision on every rank: it depends only on the global step
             if trainer.global_step % every == 0 or trainer.global_step == trainer.max_steps:
-                self._gather_across_ranks(trainer, step)
+                maxima = self._gather_across_ranks(trainer, step)
+                if self.log_metrics:
+                    metrics.update(maxima)
+        # Outside the guard too: an exception from a logger is the user's, and reaches the user unchanged.
+        _log_to_loggers(trainer, metrics, _log_step(trainer))
 
     @_guarded
-    def _end_train_batch(self, trainer: pl.Trainer) -> None:
-        if self.recorder is not None:
-            self.recorder.end_batch(next_step=trainer.global_step)
-            self._flush_metrics()
+    def _end_train_batch(self, trainer: pl.Trainer) -> dict[str, float] | None:
+        """Take the batch's last row; return what to log after it: the step's maxima where Lightning logs its own."""
+        recorder = self.recorder
+        if recorder is None:
+            return None
+        recorder.end_batch(next_step=trainer.global_step)
+        recorder.flush()
+        if _accumulating(trainer):
+            return None  # the next micro-batches belong to the same optimizer step: keep their maxima together
+        metrics, self._train_metrics = self._train_metrics, {}
+        return metrics if metrics and _lightning_logs_now(trainer) else None
 
-    def _gather_across_ranks(self, trainer: pl.Trainer, step: int) -> None:
-        """Rank zero logs, per phase and counter, the maximum over ranks and the rank that holds it.
+    def _gather_across_ranks(self, trainer: pl.Trainer, step: int) -> dict[str, float]:
+        """Per phase and counter, the maximum over ranks and the rank that holds it (rank zero; empty elsewhere).
 
         One ``all_reduce(MAX)`` of a small int64 tensor whose entries encode ``bytes << 16 | rank``.
         """
@@ -413,16 +493,16 @@ class MemTrace(Callback):
             import torch.distributed as dist
 
             if not (dist.is_available() and dist.is_initialized()):
-                return
+                return {}
             reduced = values.to(trainer.strategy.root_device)
             dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
             reduced = reduced.cpu()
         except Exception as error:
             self.gather_ranks = False
             rank_zero_warn(f"MemTrace could not gather memory across ranks ({error!r}); per-rank files are unaffected.")
-            return
+            return {}
         if not trainer.is_global_zero:
-            return
+            return {}
         metrics: dict[str, float] = {}
         for row, phase in enumerate(TRAIN_PHASES):
             for column, counter in enumerate(COUNTERS):
@@ -431,10 +511,14 @@ class MemTrace(Callback):
                     continue
                 metrics[f"memtrace/{phase.value}/{counter}_max"] = (encoded >> _RANK_BITS) / MIB
                 metrics[f"memtrace/{phase.value}/{counter}_max_rank"] = float(encoded & ((1 << _RANK_BITS) - 1))
-        if metrics and self.log_metrics:
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=step)
         self.last_rank_maxima = metrics
+        return dict(metrics)
+
+    @override
+    @_guarded
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self._val_metrics = {}
 
     @override
     @_guarded
@@ -457,7 +541,21 @@ class MemTrace(Callback):
     ) -> None:
         if self.recorder is not None and not trainer.sanity_checking:
             self.recorder.end_batch()
-            self._flush_metrics()
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        metrics = self._end_validation(trainer)
+        if metrics:
+            _log_to_loggers(trainer, metrics, _log_step(trainer))  # outside the guard: a logger's error propagates
+
+    @_guarded
+    def _end_validation(self, trainer: pl.Trainer) -> dict[str, float] | None:
+        """Once per validation run: the maxima over its rows, to log at the step Lightning logs the run's metrics."""
+        if self.recorder is None or trainer.sanity_checking:
+            return None
+        self.recorder.flush()
+        metrics, self._val_metrics = self._val_metrics, {}
+        return metrics or None
 
     @override
     @_guarded
@@ -490,8 +588,7 @@ class MemTrace(Callback):
             f"memtrace/estimate/{getattr(name, 'value', name)}": value / MIB for name, value in estimate.category_bytes().items()
         }
         metrics["memtrace/estimate/peak"] = estimate.peak_bytes / MIB
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+        self._estimate_metrics = metrics  # logged by on_train_batch_start, outside the guard
 
     def _write_estimate_comparison(self) -> None:
         estimate, folder = self.estimated, self.output_dir
@@ -550,16 +647,22 @@ class MemTrace(Callback):
             pass
 
     def _finish(self) -> None:
-        recorder = self.recorder
+        """Stop the recorder and let go of it: nothing that holds hooks, weak references, files or the trainer stays.
+
+        What stays is plain data: the files written, the counts of ``state_dict``, ``report_path``, the estimate.
+        Rows not logged yet are dropped (an unfinished optimizer step; Lightning logs nothing for it either).
+        """
+        recorder, self.recorder = self.recorder, None
+        # (_batch_step stays: a rank whose MemTrace switched itself off still takes part in the gather)
+        self._train_metrics, self._val_metrics, self._estimate_metrics = {}, {}, None
         if recorder is None:
             return
         self._files = list(recorder.files)
-        try:
-            recorder.stop()
-            self._max_allocated_bytes = recorder.max_allocated_bytes
-            self._max_reserved_bytes = recorder.max_reserved_bytes
-        finally:
-            self._flush_metrics()
+        if recorder.tracker is not None:
+            self.tracker_backend = recorder.tracker.backend
+        recorder.stop()
+        self._max_allocated_bytes = recorder.max_allocated_bytes
+        self._max_reserved_bytes = recorder.max_reserved_bytes
 
     @override
     def state_dict(self) -> dict[str, Any]:

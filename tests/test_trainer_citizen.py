@@ -1,0 +1,338 @@
+"""MemTrace is a good citizen of the Trainer: it logs on Lightning's cadence and path, lets a logger's error through,
+lets go of everything at the end of fit, and leaves validate/test alone."""
+
+from __future__ import annotations
+
+import csv
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.loggers.logger import Logger
+from lightning_memtrace import MemTrace, load_phases
+from lightning_memtrace.types import COUNTERS
+from lm_helpers import MLP, trainer
+
+MIB = 1024**2
+TRAIN_PHASES = ("batch_start", "after_forward", "after_backward", "after_optimizer_step", "batch_end")
+TRAIN_KEYS = {f"memtrace/{phase}/{counter}" for phase in TRAIN_PHASES for counter in COUNTERS}
+VAL_KEYS = {f"memtrace/{phase}/{counter}" for phase in ("val_batch_start", "val_batch_end") for counter in COUNTERS}
+
+
+class RecordingLogger(Logger):
+    """Keeps every ``log_metrics`` call as it came: positional arguments and keywords."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[tuple, dict]] = []
+        self.saves = 0
+
+    @property
+    def name(self) -> str:
+        return "recording"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, *args, **kwargs) -> None:
+        pass
+
+    def log_metrics(self, *args, **kwargs) -> None:
+        self.calls.append((args, {k: (dict(v) if isinstance(v, dict) else v) for k, v in kwargs.items()}))
+
+    def save(self) -> None:
+        self.saves += 1
+
+    def memtrace_calls(self, prefix: str = "memtrace/") -> list[dict]:
+        return [kw for _, kw in self.calls if any(k.startswith(prefix) for k in kw["metrics"])]
+
+    def steps_with(self, key: str) -> list[int]:
+        return [kw["step"] for _, kw in self.calls if key in kw["metrics"]]
+
+
+class Boom(Exception):
+    """The user's logger's own error."""
+
+
+class FailingLogger(RecordingLogger):
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def log_metrics(self, *args, **kwargs) -> None:
+        metrics = kwargs.get("metrics", args[0] if args else {})
+        if any(k.startswith(self.prefix) for k in metrics):
+            raise Boom(f"the user's logger refuses {self.prefix}")
+        super().log_metrics(*args, **kwargs)
+
+
+class LoggedMLP(MLP):
+    """The MLP, logging its loss at every step as a user would; a test loop too."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.log("loss", loss, on_step=True, on_epoch=False)
+        if not self.automatic_optimization:
+            opt = self.optimizers()
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+            return None
+        return loss
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test_loss", nn.functional.mse_loss(self(x), y))
+
+    def test_dataloader(self):
+        return self.val_dataloader()
+
+
+def _memtrace_files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.glob("*")) if p.is_file()} if folder.is_dir() else {}
+
+
+# ------------------------------------------------------------------------------------------------ training cadence
+@pytest.mark.parametrize(
+    ("every", "accumulate", "manual"),
+    [(1, 2, False), (3, 2, False), (5, 2, False), (2, 1, True)],
+)
+def test_logged_at_the_steps_lightning_logs_its_own(tmp_path, every, accumulate, manual):
+    logger = RecordingLogger()
+    callback = MemTrace(dirpath=tmp_path / "mt")
+    max_steps = 10
+    trainer(
+        tmp_path, [callback], max_steps=max_steps, logger=logger, log_every_n_steps=every,
+        accumulate_grad_batches=accumulate,
+    ).fit(LoggedMLP(manual=manual))
+
+    # metrics always by keyword, as Lightning passes them
+    assert logger.calls and all(args == () and set(kw) == {"metrics", "step"} for args, kw in logger.calls)
+    lightning_steps = logger.steps_with("loss")
+    assert lightning_steps == [s for s in range(max_steps) if (s + 1) % every == 0]
+    ours = logger.memtrace_calls()
+    # one call per step Lightning logs at, none elsewhere, each with every training key and nothing else
+    assert [kw["step"] for kw in ours] == lightning_steps
+    assert all(set(kw["metrics"]) == TRAIN_KEYS for kw in ours)
+    # each logged value is the maximum over the rows of that optimizer step (its micro-batches)
+    phases = load_phases(tmp_path / "mt")
+    assert len(phases) == max_steps * (5 * accumulate - (accumulate - 1))  # the CSV keeps every row
+    for kw in ours:
+        rows = phases[phases.step == kw["step"]]
+        assert rows.batch_idx.nunique() == accumulate
+        for phase in TRAIN_PHASES:
+            of_phase = rows[rows.phase == phase]
+            for counter in COUNTERS:
+                expected = of_phase[f"{counter}_bytes"].max() / MIB
+                assert kw["metrics"][f"memtrace/{phase}/{counter}"] == pytest.approx(expected), (phase, counter)
+    assert logger.saves >= len(ours)  # saved after each call, as Lightning's path does
+
+
+def test_tensorboard_and_csv_loggers_get_memtrace_at_lightnings_steps(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    csv_logger = CSVLogger(str(tmp_path), name="csv")
+    tb_logger = TensorBoardLogger(str(tmp_path), name="tb")
+    callback = MemTrace(report=False)
+    trainer(
+        tmp_path, [callback], max_steps=9, logger=[tb_logger, csv_logger], log_every_n_steps=3, accumulate_grad_batches=2
+    ).fit(LoggedMLP())
+
+    with open(Path(csv_logger.log_dir) / "metrics.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    key = "memtrace/after_forward/activations"
+    assert [int(r["step"]) for r in rows if r.get(key)] == [int(r["step"]) for r in rows if r.get("loss")] == [2, 5, 8]
+
+    events = EventAccumulator(tb_logger.log_dir)
+    events.Reload()
+    assert [e.step for e in events.Scalars(key)] == [e.step for e in events.Scalars("loss")] == [2, 5, 8]
+
+
+def test_log_metrics_false_logs_nothing(tmp_path):
+    logger = RecordingLogger()
+    trainer(tmp_path, [MemTrace(log_metrics=False, report=False)], max_steps=3, logger=logger,
+            log_every_n_steps=1).fit(LoggedMLP())
+    assert logger.steps_with("loss") == [0, 1, 2]
+    assert logger.memtrace_calls() == []
+
+
+# ------------------------------------------------------------------------------------------------ validation
+class CountValidationRuns(pl.Callback):
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def on_validation_end(self, trainer, pl_module):
+        if not trainer.sanity_checking:
+            self.steps.append(trainer.fit_loop.epoch_loop._batches_that_stepped)
+
+
+def test_validation_logged_once_per_run(tmp_path):
+    logger = RecordingLogger()
+    callback = MemTrace(dirpath=tmp_path / "mt", report=False)
+    runs = CountValidationRuns()
+    trainer(
+        tmp_path, [callback, runs], max_steps=8, logger=logger, log_every_n_steps=1, limit_val_batches=2,
+        val_check_interval=3, num_sanity_val_steps=2,
+    ).fit(LoggedMLP())
+    assert len(runs.steps) == 2  # after batches 3 and 6; the sanity check is not a run
+
+    val_calls = logger.memtrace_calls("memtrace/val_")
+    assert len(val_calls) == len(runs.steps)
+    assert all(set(kw["metrics"]) == VAL_KEYS for kw in val_calls)
+    # at the step Lightning logs the run's own metrics at
+    assert [kw["step"] for kw in val_calls] == logger.steps_with("val_loss") == runs.steps
+    # training calls carry no validation keys; one per training step still
+    train_calls = [kw for kw in logger.memtrace_calls() if kw not in val_calls]
+    assert [kw["step"] for kw in train_calls] == list(range(8))
+    assert not any(VAL_KEYS & set(kw["metrics"]) for kw in train_calls)
+    # the maximum over the run's rows (2 batches each)
+    phases = load_phases(tmp_path / "mt")
+    val_rows = phases[phases.phase.str.startswith("val_")]
+    assert len(val_rows) == 2 * 2 * 2
+    for kw, (_, run) in zip(val_calls, val_rows.groupby("step", sort=True)):
+        assert run.batch_idx.nunique() == 2
+        for phase in ("val_batch_start", "val_batch_end"):
+            for counter in COUNTERS:
+                expected = run[run.phase == phase][f"{counter}_bytes"].max() / MIB
+                assert kw["metrics"][f"memtrace/{phase}/{counter}"] == pytest.approx(expected)
+
+
+# ------------------------------------------------------------------------------------------------ errors
+@pytest.mark.parametrize("prefix", ["memtrace/batch_end/", "memtrace/val_batch_end/", "memtrace/estimate/"])
+def test_an_exception_from_the_users_logger_reaches_the_user(tmp_path, prefix):
+    logger = FailingLogger(prefix)
+    callback = MemTrace(estimate=prefix == "memtrace/estimate/", report=False)
+    run = trainer(tmp_path, [callback], max_steps=4, logger=logger, log_every_n_steps=1, limit_val_batches=1,
+                  val_check_interval=2)
+    with pytest.raises(Boom, match="the user's logger refuses"):
+        run.fit(LoggedMLP())
+    assert not callback._disabled  # not taken for a failure of MemTrace's own
+    assert callback.recorder is None  # and it let go on the way out
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    assert _get_current_dispatch_mode() is None
+
+
+# ------------------------------------------------------------------------------------------------ end of stage
+def _pickle_error(obj) -> str | None:
+    try:
+        pickle.dumps(obj)
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def _checkpointing_trainer(tmp_path, callbacks) -> pl.Trainer:
+    return trainer(
+        tmp_path, callbacks, max_steps=3, logger=CSVLogger(str(tmp_path), name="csv"), log_every_n_steps=1,
+        enable_checkpointing=True, limit_val_batches=1, val_check_interval=3,
+    )
+
+
+def test_trainer_pickles_after_fit_as_without_memtrace(tmp_path):
+    bare = _checkpointing_trainer(tmp_path / "bare", [ModelCheckpoint(dirpath=tmp_path / "bare" / "ckpt")])
+    bare.fit(LoggedMLP())
+    baseline = _pickle_error(bare)
+
+    callback = MemTrace(estimate=True)
+    traced = _checkpointing_trainer(tmp_path / "mt", [callback, ModelCheckpoint(dirpath=tmp_path / "mt" / "ckpt")])
+    traced.fit(LoggedMLP())
+    assert _pickle_error(traced) == baseline
+    assert baseline is None  # Lightning 2.6's own Trainer pickles: so must ours
+    # MemTrace kept plain data only, and the copy still knows what was written
+    assert callback.recorder is None
+    copy = pickle.loads(pickle.dumps(callback))
+    assert copy.state_dict() == callback.state_dict() == {"version": 1, "rows": 3 * 5 + 2, "last_step": 3}
+    assert copy.files == callback.files and copy.report_path == callback.report_path is not None
+    # the checkpoint was saved, with MemTrace's state in it, which loads back
+    (ckpt,) = (tmp_path / "mt" / "ckpt").glob("*.ckpt")
+    saved = torch.load(ckpt, weights_only=False)["callbacks"]
+    state = next(v for k, v in saved.items() if k.startswith("MemTrace"))
+    assert state["rows"] == 3 * 5 + 2
+    fresh = MemTrace()
+    fresh.load_state_dict(state)
+    assert fresh.state_dict() == state
+
+
+def test_trainer_pickles_after_a_failed_fit(tmp_path):
+    callback = MemTrace()
+    run = trainer(tmp_path, [callback], max_steps=3)
+    with pytest.raises(ValueError, match="boom"):
+        run.fit(MLP(fail_at=1))
+    assert callback.recorder is None
+    assert _pickle_error(run) is None
+
+
+def test_validate_and_test_after_fit_do_nothing(tmp_path):
+    logger = RecordingLogger()
+    callback = MemTrace(dirpath=tmp_path / "mt")
+    run = trainer(tmp_path, [callback], max_steps=3, logger=logger, log_every_n_steps=1, limit_val_batches=2)
+    module = LoggedMLP()
+    run.fit(module)
+    files = _memtrace_files(tmp_path / "mt")
+    assert "phases_rank0.csv" in files
+    calls, state = len(logger.memtrace_calls()), callback.state_dict()
+
+    run.validate(module)
+    run.test(module)
+    assert logger.steps_with("val_loss") and logger.steps_with("test_loss")  # Lightning logged its own
+    assert len(logger.memtrace_calls()) == calls  # MemTrace nothing
+    assert _memtrace_files(tmp_path / "mt") == files  # the CSV and every file unchanged
+    assert callback.state_dict() == state and callback.recorder is None
+    assert _pickle_error(run) is None
+
+
+def test_validate_and_test_alone_do_nothing(tmp_path):
+    logger = RecordingLogger()
+    callback = MemTrace(dirpath=tmp_path / "mt")
+    run = trainer(tmp_path, [callback], logger=logger, limit_val_batches=2, limit_test_batches=2)
+    module = LoggedMLP()
+    run.validate(module)
+    run.test(module)
+    assert logger.steps_with("val_loss") and logger.steps_with("test_loss")
+    assert logger.memtrace_calls() == []
+    assert not (tmp_path / "mt").exists()
+    assert callback.recorder is None and callback.state_dict()["rows"] == 0
+
+
+class KeepRecorders(pl.Callback):
+    """Placed after MemTrace: sees the recorder each fit starts."""
+
+    def __init__(self, memtrace: MemTrace) -> None:
+        self.memtrace, self.recorders = memtrace, []
+
+    def on_train_start(self, trainer, pl_module):
+        self.recorders.append(self.memtrace.recorder)
+
+
+def test_a_second_fit_starts_clean(tmp_path):
+    logger = RecordingLogger()
+    callback = MemTrace(dirpath=tmp_path / "mt", report=False)
+    spy = KeepRecorders(callback)
+    run = trainer(tmp_path, [callback, spy], max_steps=2, logger=logger, log_every_n_steps=1)
+    module = LoggedMLP()
+    run.fit(module)
+    run.validate(module)  # in between: nothing
+    run.fit_loop.epoch_loop.max_steps = 4
+    run.fit(module)
+    assert run.global_step == 4
+
+    first, second = spy.recorders
+    assert first is not None and second is not None and first is not second
+    assert not first.started and not second.started and callback.recorder is None
+    phases = load_phases(tmp_path / "mt")
+    assert list(phases.groupby("step").size()) == [5, 5, 5, 5]
+    with open(tmp_path / "mt" / "phases_rank0.csv") as handle:
+        assert sum(1 for line in handle if line.startswith("step,")) == 1
+    assert [kw["step"] for kw in logger.memtrace_calls()] == logger.steps_with("loss") == [0, 1, 2, 3]
+    assert callback.state_dict() == {"version": 1, "rows": 20, "last_step": 3}
+    spy.recorders.clear()  # the spy's own references: MemTrace keeps none
+    assert _pickle_error(run) is None
