@@ -15,6 +15,10 @@ COLUMNS = PhaseRecord.columns()
 BYTE_COLUMNS = [c for c in COLUMNS if c.endswith("_bytes")]
 INT_COLUMNS = ["step", "epoch", "batch_idx", "rank", *BYTE_COLUMNS]
 _HEADER = ",".join(COLUMNS) + "\n"
+# One format for a whole line (floats as %.6f, the rest as they print): a row is written many times per step.
+_LINE = ",".join("%.6f" if c == "time_s" else "%s" for c in COLUMNS) + "\n"
+_FIELDS = tuple(COLUMNS)
+_PHASE_INDEX = _FIELDS.index("phase")
 
 
 def phases_filename(rank: int) -> str:
@@ -68,8 +72,9 @@ class PhaseCsvWriter:
         for record in records:
             if self._fd < 0 or self.full:
                 break
-            line = ",".join(_format_value(str(record.phase) if c == "phase" else getattr(record, c)) for c in COLUMNS)
-            os.write(self._fd, (line + "\n").encode())
+            values = [getattr(record, c) for c in _FIELDS]
+            values[_PHASE_INDEX] = str(record.phase)
+            os.write(self._fd, (_LINE % tuple(values)).encode())
             self.rows_written += 1
             written += 1
         return written
@@ -78,12 +83,6 @@ class PhaseCsvWriter:
         fd, self._fd = self._fd, -1
         if fd >= 0:
             os.close(fd)
-
-
-def _format_value(value: object) -> str:
-    if isinstance(value, float):
-        return f"{value:.6f}"
-    return str(value)
 
 
 def _phase_files(path: str | os.PathLike) -> list[Path]:
