@@ -145,3 +145,55 @@ def test_drain_after_a_session_was_taken_raises_session_lost():
         reports.drain()
     assert not reports.active
     assert reports.stop() == []
+
+
+def test_a_torch_without_the_log_levels_falls_back_to_the_dispatch_mode_with_one_warning(tmp_path, monkeypatch):
+    from lightning_memtrace import allocator_reports
+    from lightning_memtrace.recorder import MemTraceWarning
+
+    monkeypatch.setattr(allocator_reports, "_native_logging", lambda: None)
+    assert "log levels" in allocator_reports.unavailable_reason()
+    callback = MemTrace(dirpath=tmp_path / "mt")
+    module = MLP()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(tmp_path, [callback], max_steps=3).fit(module)
+    ours = [str(w.message) for w in caught if issubclass(w.category, MemTraceWarning)]
+    assert len(ours) == 1 and "dispatch mode" in ours[0] and "log levels" in ours[0]
+    assert callback.tracker_backend == "dispatch"
+    phases = load_phases(tmp_path / "mt")
+    assert len(phases) == 15
+    assert (phases.parameters_bytes == unique_storage_bytes(module.parameters())).all()
+
+
+def test_deferred_rows_equal_rows_read_at_every_mark():
+    """Rows read at their marks in the report stream give the bytes of reading the reports at each row."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+    optimizer = torch.optim.AdamW(model.parameters())
+    x = torch.randn(32, 64)
+
+    def run(window: bool) -> list[tuple]:
+        rows = []
+        recorder = MemoryRecorder(model, [optimizer], history=window, history_skip_steps=0, history_steps=10,
+                                  on_record=rows.append)
+        recorder.tracker.window_stacks = False  # the window reads the reports at every row, without a dispatch mode
+        with recorder:
+            for step in range(4):
+                recorder.begin_batch(x, step=step)
+                kept = torch.empty(1000 + step, dtype=torch.uint8)  # a different size each step
+                loss = model(x).pow(2).mean()
+                recorder.mark_forward_done()
+                loss.backward()
+                recorder.mark_backward_done()
+                optimizer.step()
+                optimizer.zero_grad()
+                del kept
+                recorder.end_batch()
+            assert recorder.tracker.deferring is not window
+        return [(r.phase, r.allocated_bytes, r.peak_bytes, r.parameters_bytes, r.gradients_bytes,
+                 r.optimizer_state_bytes, r.activations_bytes, r.inputs_bytes, r.other_bytes) for r in rows]
+
+    run(False)  # warm-up: the first run's lazily made state is not part of the comparison
+    deferred, immediate = run(False), run(True)
+    assert len(deferred) == 20
+    assert deferred == immediate
