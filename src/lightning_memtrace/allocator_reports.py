@@ -120,6 +120,8 @@ class _NativeLogging:
         self._kineto = kineto_severity
         self._c10 = c10_log_level
         self._report_cpu = report_cpu
+        #: Whether this process has spent the CPU allocator's first "unknown size" warning (it logs the 1st, 1001st, ...).
+        self.unknown_free_warning_spent = False
 
     @contextlib.contextmanager
     def kineto_silenced(self) -> Iterator[None]:
@@ -151,11 +153,26 @@ class _NativeLogging:
         The allocator warns (on the 1st, 1001st, ... occasion) when a session sees a block freed whose size it never
         noted: a block made while no session was open, such as one of an earlier run in the same process. Noting
         every block costs the allocator a table insert per allocation; it stays on for the rest of the process, since
-        a block made while it is off is unknown whenever it is freed. The allocator also logs each block at INFO
-        level then, so it is never turned on where the C++ log level shows INFO lines.
+        a block made while it is off is unknown whenever it is freed. Once on, the allocator checks every free, session
+        or not: the first warning is spent here, silenced, on a block made for the purpose. The allocator also logs
+        each block at INFO level then, so it is never turned on where the C++ log level shows INFO lines.
         """
-        if self._c10.value > 0:
-            self._report_cpu.value = True
+        if self._report_cpu.value or self._c10.value <= 0:
+            return
+        self._report_cpu.value = True
+        self.spend_unknown_free_warning()
+
+    def spend_unknown_free_warning(self) -> None:
+        """Free an unknown block, silenced, once per process: the allocator's first "unknown size" warning is spent.
+
+        The allocator checks a free only while it notes blocks or a session records: call it in one of those states.
+        """
+        if self.unknown_free_warning_spent:
+            return
+        self.unknown_free_warning_spent = True
+        block = self.unknown_block()
+        with self.c10_silenced():
+            del block
 
     def unknown_block(self) -> torch.Tensor:
         """A block whose size the CPU allocator does not note (freeing it under a session is an "unknown" free)."""
@@ -222,9 +239,6 @@ class AllocatorReports:
     Call :meth:`start`, then :meth:`drain` whenever the reports so far are wanted, and :meth:`stop` at the end.
     """
 
-    #: Whether this process has spent the CPU allocator's first "unknown size" warning (it logs the 1st, 1001st, ...).
-    _unknown_free_warning_spent = False
-
     def __init__(self) -> None:
         api = _profiler_api()
         native = _native_logging()
@@ -248,15 +262,12 @@ class AllocatorReports:
         if reason is not None:
             raise RuntimeError(reason)
         # Training frees blocks made before MemTrace started as a matter of course, and the allocator warns on the
-        # first such free: spend that warning here, silenced, on a block made for the purpose.
-        block = None if AllocatorReports._unknown_free_warning_spent else self._native.unknown_block()
-        self._native.track_every_cpu_block()
+        # first such free (see _NativeLogging.track_every_cpu_block, which spends that warning where it can).
+        native = self._native
+        native.track_every_cpu_block()
         self._open()
         self.active = True
-        if block is not None:
-            AllocatorReports._unknown_free_warning_spent = True
-            with self._native.c10_silenced():
-                del block
+        native.spend_unknown_free_warning()
 
     def _open(self) -> None:
         # Two silenced calls: kineto's first use in the process sets its own level inside the first one.

@@ -28,6 +28,7 @@ from lightning_memtrace.allocator_reports import (
     AllocatorReports,
     SessionLost,
     another_profiler_active,
+    track_every_cpu_block,
     unavailable_reason,
 )
 from lightning_memtrace.frames import Frame, capture_frames, traceback_frames
@@ -226,6 +227,8 @@ class AllocationTracker:
             raise ValueError(f"backend must be 'dispatch', 'reports' or 'auto', not {backend!r}")
         self.device = torch.device(device)
         self.requested_backend = backend
+        if backend != "dispatch" and self.device.type == "cpu":
+            track_every_cpu_block()  # blocks made from now on are known to the reports session
         #: The backend in use once started: "dispatch" or "reports".
         self.backend = "dispatch"
         #: Why "auto" (or "reports") fell back to "dispatch", if it did.
