@@ -13,6 +13,7 @@ from lightning_memtrace.storages import iter_tensors, optimizer_state_tensors, s
 from lightning_memtrace.types import Category
 
 StorageMap = dict[int, torch.UntypedStorage]
+_PLAIN_TENSORS = (Tensor, nn.Parameter)
 
 
 class SavedTensorsRecorder:
@@ -117,8 +118,16 @@ class CategoryCounter:
 
     def _collect(self, tensors: Iterable[Tensor], into: dict[int, tuple[Category, torch.UntypedStorage]], category: Category) -> None:
         device = self.device
+        on_cpu = device.type == "cpu"
         for tensor in tensors:
-            if not isinstance(tensor, Tensor) or tensor.device != device:
+            if not isinstance(tensor, Tensor):
+                continue
+            # `is_cpu` reads a flag where `.device` builds a device object (this runs for every tensor of every row);
+            # subclasses (fake tensors) may report a device of their own.
+            if on_cpu and type(tensor) in _PLAIN_TENSORS:
+                if not tensor.is_cpu:
+                    continue
+            elif tensor.device != device:
                 continue
             found = storage_key(tensor)
             if found is None:

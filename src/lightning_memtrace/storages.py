@@ -75,4 +75,11 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> Iterator[Tensor
     except Exception:
         return
     for value in values:
-        yield from iter_tensors(value)
+        if type(value) is dict:  # the usual layout, {name: tensor or number}: no recursion per entry
+            for item in value.values():
+                if isinstance(item, Tensor):
+                    yield item
+                elif not isinstance(item, (int, float, bool, str)):
+                    yield from iter_tensors(item, 1)
+        else:
+            yield from iter_tensors(value)
