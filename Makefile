@@ -7,7 +7,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.memtrace-installed
 EXTRAS ?= test,examples,report
 
-.PHONY: setup demo test test-gpu benchmark screenshot clean
+.PHONY: setup demo test test-gpu benchmark screenshot clean compat
 
 setup: $(STAMP)
 
@@ -47,3 +47,11 @@ clean:
 # Headless Chromium screenshot of a report with the network off (may apt-get install chromium; not part of `make test`).
 screenshot: $(STAMP)
 	bash benchmarks/screenshot.sh
+
+# One venv per torch / Lightning / transformers combination under $(COMPAT_DIR) (reused on reruns), the smoke subset
+# (compat/test_smoke.py) in each against this checkout's src; table in $(COMPAT_DIR)/results.md. Not part of `make test`:
+# it downloads several GB of CUDA torch wheels and takes as long as it takes. COMPAT_ARGS="--only 2.13" for a subset.
+COMPAT_DIR ?= .compat
+COMPAT_ARGS ?=
+compat:
+	COMPAT_DIR=$(COMPAT_DIR) $(PYTHON) compat/run.py $(COMPAT_ARGS)
