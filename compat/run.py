@@ -117,6 +117,7 @@ class Result:
     versions: str = ""
     counting: str = ""
     date: str = ""
+    reused: bool = False
 
 
 def _run(cmd: list[str], log: Path, timeout: float, **kwargs) -> tuple[int, str]:
@@ -243,7 +244,8 @@ def markdown(results: list[Result]) -> str:
     for r in results:
         detail = r.detail.replace("|", "\\|")
         lines.append(
-            f"| {r.torch} | {r.lightning} | {r.transformers} | {r.status} | {r.counting} | {r.install_s:.0f} "
+            f"| {r.torch} | {r.lightning} | {r.transformers} | {r.status} | {r.counting} "
+            f"| {'reused' if r.reused else f'{r.install_s:.0f}'} "
             f"| {r.test_s:.0f} | {detail} |"
         )
     return "\n".join(lines) + "\n"
@@ -284,8 +286,10 @@ def main(argv: list[str] | None = None) -> int:
             ok, install_s, detail = False, 0.0, f"not tried: {free_gib:.1f} GiB free, below --min-free-gib"
         else:
             ok, install_s, detail = install(combo, venv, logs, args.python, pip_args)
+        reused = ok and detail == "reused"
+        detail = "" if reused else detail
         result = Result(combo.name, combo.torch, combo.lightning, combo.transformers, "not installed", install_s,
-                        date=time.strftime("%Y-%m-%d"))
+                        date=time.strftime("%Y-%m-%d"), reused=reused)
         if not ok:
             result.detail = detail
         else:
@@ -303,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
                 saved = dedupe(venvs)
                 if saved:
                     print(f"   hard-linked identical files across venvs: {saved / 2**30:.1f} GiB saved", flush=True)
-        print(f"   {result.status}  install {install_s:.0f} s  smoke {result.test_s:.0f} s  {result.versions}  "
+        installed = "reused" if reused else f"{install_s:.0f} s"
+        print(f"   {result.status}  install {installed}  smoke {result.test_s:.0f} s  {result.versions}  "
               f"{result.counting}"
               f"{'  ' + result.detail if result.detail else ''}", flush=True)
         previous[combo.name] = dataclasses.asdict(result)
