@@ -379,10 +379,12 @@ class MemoryRecorder:
         self._emit_deferred()
 
     def _measure(self, phase: Phase) -> PhaseRecord:
-        classified = self._adopt_known()
-        totals = CategoryCounter.totals(classified)
-        if not self.training:
-            totals[Category.ACTIVATIONS] = 0
+        if self.training or self.tracker is not None:
+            totals = CategoryCounter.totals(self._adopt_known())
+            if not self.training:
+                totals[Category.ACTIVATIONS] = 0
+        else:
+            totals = self._validation_totals()
         named = sum(totals.values())
         if self.counters is not None:
             allocated, reserved, peak = self.counters.read()
@@ -477,6 +479,19 @@ class MemoryRecorder:
         if first:  # the model states keep their labels for the rest of the validation run
             labels, foreign = state_labels + labels, state_foreign + foreign
         return totals, labels, foreign
+
+    def _validation_totals(self) -> dict[Category, int]:
+        """A validation row's categories without a tracker: the model states named once per validation run."""
+        if self._model_states is None:
+            states = self.categories.classify()
+            self._model_states = (states, CategoryCounter.totals(states), [], [])
+        states, state_totals, _, _ = self._model_states
+        totals = dict(state_totals)
+        for key, storage in self._live_inputs().items():
+            if key not in states and storage.device == self.device:
+                totals[Category.INPUTS] += storage.nbytes()
+        totals[Category.ACTIVATIONS] = 0
+        return totals
 
     def _emit_deferred(self) -> None:
         """Deliver, in order, the deferred rows whose marks the report stream has reached."""
