@@ -12,7 +12,7 @@ import torch
 
 from lightning_memtrace import MemoryRecorder, MemTrace, load_phases
 from lightning_memtrace.allocator_reports import AllocatorReports, SessionLost, another_profiler_active
-from lightning_memtrace.storages import unique_storage_bytes
+from lightning_memtrace.capture.storages import unique_storage_bytes
 from lightning_memtrace.tracker import AllocationTracker
 from lm_helpers import MLP, trainer
 
@@ -149,7 +149,7 @@ def test_drain_after_a_session_was_taken_raises_session_lost():
 
 def test_a_torch_without_the_log_levels_falls_back_to_the_dispatch_mode_with_one_warning(tmp_path, monkeypatch):
     from lightning_memtrace import allocator_reports
-    from lightning_memtrace.recorder import MemTraceWarning
+    from lightning_memtrace.capture.recorder import MemTraceWarning
 
     monkeypatch.setattr(allocator_reports, "_native_logging", lambda: None)
     assert "log levels" in allocator_reports.unavailable_reason()

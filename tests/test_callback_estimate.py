@@ -6,7 +6,7 @@ import pandas as pd
 
 from lightning.pytorch.loggers import CSVLogger
 from lightning_memtrace import MemTrace
-from lightning_memtrace.storages import unique_storage_bytes
+from lightning_memtrace.capture.storages import unique_storage_bytes
 from lm_helpers import MLP, trainer
 
 

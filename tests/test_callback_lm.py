@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_memtrace import MemTrace, load_phases
-from lightning_memtrace.storages import unique_storage_bytes
+from lightning_memtrace.capture.storages import unique_storage_bytes
 from lm_helpers import TinyLM, trainer
 
 PHASES = ["batch_start", "after_forward", "after_backward", "after_optimizer_step", "batch_end"]

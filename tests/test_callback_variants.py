@@ -11,7 +11,7 @@ import torch
 
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning_memtrace import MemTrace, MemTraceWarning, load_phases
-from lightning_memtrace.storages import unique_storage_bytes
+from lightning_memtrace.capture.storages import unique_storage_bytes
 from lm_helpers import MLP, TwoOptimizers, trainer
 
 

@@ -17,7 +17,7 @@ import torch
 import yaml
 
 from lightning_memtrace import MemTrace, MemTraceWarning, load_phases
-from lightning_memtrace.storages import unique_storage_bytes
+from lightning_memtrace.capture.storages import unique_storage_bytes
 from lm_helpers import MLP, trainer
 
 HERE = Path(__file__).resolve().parent

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_memtrace import MemoryRecorder, MemTrace, load_phases
-from lightning_memtrace.storages import unique_storage_bytes
+from lightning_memtrace.capture.storages import unique_storage_bytes
 from lm_helpers import MLP, trainer
 
 

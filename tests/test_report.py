@@ -373,7 +373,7 @@ def test_real_memtrace_recorder_output(tmp_path: Path) -> None:
     """End to end on what MemTrace's recorder writes (CPU tracker): recorded categories, figures agree with its CSV."""
     torch = pytest.importorskip("torch")
     try:
-        from lightning_memtrace.recorder import MemoryRecorder
+        from lightning_memtrace.capture.recorder import MemoryRecorder
     except ImportError:  # pragma: no cover - the recorder is another part of the package
         pytest.skip("MemoryRecorder unavailable")
     from lightning_memtrace.phases_csv import load_phases

@@ -12,8 +12,9 @@ __version__ = "0.1.0.dev0"
 
 _EXPORTS = {
     "MemTrace": "lightning_memtrace.callback",
-    "MemoryRecorder": "lightning_memtrace.recorder",
-    "MemTraceWarning": "lightning_memtrace.recorder",
+    "MemoryRecorder": "lightning_memtrace.capture.recorder",
+    "MemTraceWarning": "lightning_memtrace.capture.recorder",
+    "RecorderConfig": "lightning_memtrace.capture.config",
     "AllocationTracker": "lightning_memtrace.tracker",
     "is_out_of_memory": "lightning_memtrace.tracker",
     "load_phases": "lightning_memtrace.phases_csv",
@@ -48,8 +49,9 @@ if TYPE_CHECKING:
         estimate_from_config,
         find_max_batch,
     )
+    from lightning_memtrace.capture.config import RecorderConfig
     from lightning_memtrace.phases_csv import load_phases
-    from lightning_memtrace.recorder import MemoryRecorder, MemTraceWarning
+    from lightning_memtrace.capture.recorder import MemoryRecorder, MemTraceWarning
     from lightning_memtrace.report import write_report
     from lightning_memtrace.snapshot_loader import SnapshotError, load_snapshot
     from lightning_memtrace.tracker import AllocationTracker, is_out_of_memory

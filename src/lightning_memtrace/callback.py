@@ -21,8 +21,9 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks.callback import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_memtrace.counters import allocator_has_counters
-from lightning_memtrace.recorder import MemoryRecorder
+from lightning_memtrace.allocator_reports import track_every_cpu_block
+from lightning_memtrace.capture.config import AllocationBackend, RecorderConfig
+from lightning_memtrace.capture.recorder import MemoryRecorder
 from lightning_memtrace.tracker import is_out_of_memory
 from lightning_memtrace.types import COUNTERS, Phase, PhaseRecord
 from lightning_memtrace.units import MIB
@@ -84,22 +85,6 @@ def _profiles_with_torch(trainer: pl.Trainer) -> bool:
     except ImportError:
         return False
     return isinstance(getattr(trainer, "profiler", None), PyTorchProfiler)
-
-
-def _reports_available(device: torch.device) -> bool:
-    from lightning_memtrace.allocator_reports import unavailable_reason
-
-    return device.type == "cpu" and unavailable_reason() is None
-
-
-def _has_compiled_parts(module: torch.nn.Module) -> bool:
-    if getattr(module, "_compiler_ctx", None):
-        return True
-    optimized = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
-    optimized_type = getattr(optimized, "OptimizedModule", None)
-    if optimized_type is None:
-        return False
-    return any(isinstance(child, optimized_type) for child in module.modules())
 
 
 def _guarded(hook: _F) -> _F:
@@ -244,27 +229,27 @@ class MemTrace(Callback):
         gather_every_n_steps: int | None = None,
         report: bool = True,
         estimate: bool = False,
-        allocation_backend: str = "auto",
+        allocation_backend: AllocationBackend = "auto",
     ) -> None:
-        if allocation_backend not in ("auto", "reports", "dispatch"):
-            raise ValueError(f"allocation_backend must be 'auto', 'reports' or 'dispatch', not {allocation_backend!r}")
-        self.allocation_backend = allocation_backend
-        if allocation_backend != "dispatch" and track_allocations is not False:
-            from lightning_memtrace.allocator_reports import track_every_cpu_block
-
+        #: The recorder's settings, shared with :class:`~lightning_memtrace.MemoryRecorder`.
+        self.config = RecorderConfig(
+            track_allocations=track_allocations,
+            history=history,
+            history_skip_steps=history_skip_steps,
+            history_steps=history_steps,
+            max_entries=max_entries,
+            frames_min_bytes=frames_min_bytes,
+            post_mortem=post_mortem,
+            max_rows=max_rows,
+            every_n_steps=every_n_steps,
+            max_snapshots=max_snapshots,
+            allocation_backend=allocation_backend,
+        )
+        if self.config.uses_reports:
+            # Blocks made from now on (the model, the optimizer's state) are known to the allocator's reports.
             track_every_cpu_block()
         self.dirpath = Path(dirpath) if dirpath is not None else None
-        self.track_allocations = track_allocations
-        self.history = history
-        self.history_skip_steps = history_skip_steps
-        self.history_steps = history_steps
-        self.max_entries = max_entries
-        self.frames_min_bytes = frames_min_bytes
         self.log_metrics = log_metrics
-        self.every_n_steps = every_n_steps
-        self.max_rows = max_rows
-        self.max_snapshots = max_snapshots
-        self.post_mortem = post_mortem
         self.gather_ranks = gather_ranks
         self.gather_every_n_steps = gather_every_n_steps
         self.report = report
@@ -361,49 +346,19 @@ class MemTrace(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._finish()
         self.device = pl_module.device
-        track_allocations = self.track_allocations
-        backend = self.allocation_backend
-        window_stacks = True
-        if backend == "auto" and _profiles_with_torch(trainer):
-            backend = "dispatch"  # the thread's profiling session is the user's: see allocations another way
-        compiled = _has_compiled_parts(pl_module) and not allocator_has_counters(pl_module.device)
-        reports_ok = backend != "dispatch" and _reports_available(pl_module.device)
-        if compiled and track_allocations is not False and reports_ok:
-            # The allocator's reports see compiled code as it runs; only the window's stacks need the dispatch mode,
-            # which would make compiled regions run eagerly: the window goes without stacks.
-            backend, window_stacks = "reports", False
-        elif compiled and track_allocations is not False:
-            if track_allocations is None:
-                track_allocations = False
-                rank_zero_warn(
-                    "MemTrace: the module has torch.compile'd parts. The CPU allocation tracker (a dispatch mode) would "
-                    "make them run eagerly, so it is off for this run: allocated_bytes is the sum of the categories and "
-                    "peaks inside compiled regions are not seen. Pass MemTrace(track_allocations=True) to trade "
-                    "compilation for exact counters."
-                )
-            else:
-                rank_zero_warn("MemTrace: track_allocations=True makes the torch.compile'd parts of the module run eagerly.")
+        config = self.config
+        if config.allocation_backend == "auto" and _profiles_with_torch(trainer):
+            # the thread's profiling session is the user's: see allocations another way
+            config = config.replace(allocation_backend="dispatch")
         self.recorder = MemoryRecorder(
             pl_module,
             list(trainer.optimizers),
+            config,
             device=pl_module.device,
             rank=self._rank,
             output_dir=self.output_dir,
-            track_allocations=track_allocations,
-            history=self.history,
-            history_skip_steps=self.history_skip_steps,
-            history_steps=self.history_steps,
-            max_entries=self.max_entries,
-            frames_min_bytes=self.frames_min_bytes,
-            post_mortem=self.post_mortem,
-            max_rows=self.max_rows,
-            every_n_steps=self.every_n_steps,
-            max_snapshots=self.max_snapshots,
             on_record=self._on_record,
-            allocation_backend=backend,
         )
-        if self.recorder.tracker is not None:
-            self.recorder.tracker.window_stacks = window_stacks
         self.recorder.start()
         if self.recorder.tracker is not None:
             self.tracker_backend = self.recorder.tracker.backend

@@ -5,7 +5,7 @@ memory), builds its optimizer on the fake parameters and runs a few training ste
 
     batch_start -> forward -> zero_grad (set_to_none) -> backward -> optimizer step -> batch_end
 
-with the same :class:`~lightning_memtrace.recorder.MemoryRecorder` and
+with the same :class:`~lightning_memtrace.capture.recorder.MemoryRecorder` and
 :class:`~lightning_memtrace.tracker.AllocationTracker` that the :class:`~lightning_memtrace.MemTrace` callback uses on a
 real run. So the estimate is a measurement of the real code path (the model's own forward, autograd's saved tensors,
 the optimizer's own update), not a formula, and its rows have the same phases, categories and ``peak_bytes``
@@ -38,10 +38,10 @@ import torch
 from torch import Tensor, nn
 
 from lightning_memtrace.atomic import atomic_write_text
-from lightning_memtrace.categories import CategoryCounter, SavedTensorsRecorder, StorageMap
-from lightning_memtrace.counters import TrackerCounters
-from lightning_memtrace.recorder import MemoryRecorder
-from lightning_memtrace.storages import unique_storages
+from lightning_memtrace.capture.categories import CategoryCounter, StorageMap
+from lightning_memtrace.capture.config import RecorderConfig
+from lightning_memtrace.capture.recorder import MemoryRecorder, RecorderParts
+from lightning_memtrace.capture.storages import unique_storages
 from lightning_memtrace.tracker import AllocationTracker
 from lightning_memtrace.types import MEASURED_CATEGORIES, Category, Phase, PhaseRecord
 from lightning_memtrace.units import format_bytes
@@ -613,7 +613,7 @@ def estimate(
 
     Nothing real is allocated for parameters, gradients, optimizer state, batch or activations: a 1.5B-parameter
     model estimates on a laptop. The module's own ``forward`` (or ``training_step``) runs, autograd saves what it
-    saves, the optimizer's own ``step`` runs, and :class:`~lightning_memtrace.recorder.MemoryRecorder` takes the same
+    saves, the optimizer's own ``step`` runs, and :class:`~lightning_memtrace.capture.recorder.MemoryRecorder` takes the same
     rows the callback takes on a real run, in Lightning's order (``zero_grad`` after the forward, so the previous
     step's gradients are alive through the next forward; with accumulation, ``zero_grad`` on the first batch of a
     window and a step on its last).
@@ -806,22 +806,7 @@ def _run(
     """Lightning's automatic optimization loop, step for step, with MemTrace's recorder taking the rows."""
     # Built for the meta device, so that it touches no real allocator (on CUDA, CudaCounters would reset the real
     # device's peak statistics under a running training), then pointed at the fake device.
-    recorder = MemoryRecorder(
-        model,
-        [optimizer],
-        device="meta",
-        track_allocations=True,
-        history=False,
-        post_mortem=False,
-        output_dir=None,
-    )
-    recorder.device = device
-    # Fake tensors' storages live on the meta device: count there, without stacks (no history is written).
-    tracker = AllocationTracker("meta", max_entries=1, frames_min_bytes=1 << 62)
-    recorder.tracker = tracker
-    recorder.counters = TrackerCounters(tracker)
-    recorder.categories = _FakeCategoryCounter(device, model, [optimizer])
-    recorder.saved = SavedTensorsRecorder(device)
+    recorder = _meta_recorder(model, optimizer, device)
     loop = _LightningLoop(model, optimizer, recorder, device, precision, accumulate, lightning, training_step)
     float_dtype = precision.param_dtype
 
@@ -847,6 +832,21 @@ def _run(
             loop.clear()
             recorder.stop()
     return list(recorder.records)
+
+
+def _meta_recorder(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> MemoryRecorder:
+    """MemTrace's recorder counting fake tensors on ``device``.
+
+    Fake tensors' storages live on the meta device: the tracker counts there, without stacks (no history is written),
+    and no real allocator is touched (on CUDA, allocator counters would reset the real device's peak statistics
+    under a running training).
+    """
+    parts = RecorderParts(
+        tracker=AllocationTracker("meta", max_entries=1, frames_min_bytes=1 << 62),
+        categories=_FakeCategoryCounter(device, model, [optimizer]),
+    )
+    config = RecorderConfig(track_allocations=True, history=False, post_mortem=False)
+    return MemoryRecorder(model, [optimizer], config, device=device, parts=parts)
 
 
 class _LightningLoop:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lightning_memtrace import MemTrace, load_phases
-from lightning_memtrace.storages import unique_storage_bytes
+from lightning_memtrace.capture.storages import unique_storage_bytes
 from lm_helpers import MLP, TinyLM, trainer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_memtrace.storages import iter_tensors, optimizer_state_tensors, same_device, storage_key
+from lightning_memtrace.capture.storages import iter_tensors, optimizer_state_tensors, same_device, storage_key
 from lightning_memtrace.types import Category
 
 StorageMap = dict[int, torch.UntypedStorage]

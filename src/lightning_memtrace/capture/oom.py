@@ -1,0 +1,138 @@
+"""Out-of-memory capture: the state at the failed allocation, and the post-mortem written before the error goes on."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_memtrace.capture.categories import CategoryCounter
+from lightning_memtrace.capture.outputs import RecorderFiles
+from lightning_memtrace.capture.rows import Classified
+from lightning_memtrace.capture.window import HistoryWindow, cuda_allocated, cuda_reserved
+from lightning_memtrace.postmortem import LiveBlock, PostMortem, largest_blocks_from_snapshot, render_post_mortem
+from lightning_memtrace.tracker import AllocationTracker, OutOfMemoryEvent, requested_bytes_from_message
+from lightning_memtrace.types import Category
+
+
+class OomCapture:
+    """Keeps what an out-of-memory error found (from the tracker's or CUDA's OOM listener, or from the exception)
+    and writes ``oom_rank<R>_step<N>.pickle`` (the snapshot, with the post-mortem in its header) and ``.txt``.
+
+    Args:
+        device: The measured device.
+        rank: Put in the post-mortem and the file names.
+        tracker: The allocation tracker, or None.
+        files: Where the post-mortem is written.
+        window: Builds the snapshot and its header.
+        classify: Names the live storages now.
+        sync: Takes in the allocator's reports so far.
+        where: ``(step, epoch, batch_idx, stage)`` of the recorder now.
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        rank: int,
+        tracker: AllocationTracker | None,
+        files: RecorderFiles,
+        window: HistoryWindow,
+        classify: Callable[[], Classified],
+        sync: Callable[[], None],
+        where: Callable[[], tuple[int, int, int, str]],
+    ) -> None:
+        self.device = device
+        self.rank = rank
+        self.tracker = tracker
+        self.files = files
+        self.window = window
+        self._classify = classify
+        self._sync = sync
+        self._where = where
+        self._state: dict[str, Any] | None = None
+        self.last: PostMortem | None = None
+
+    def _live_blocks(self, limit: int = 10) -> list[LiveBlock]:
+        if self.tracker is None:
+            return []
+        entries = sorted(self.tracker.live_allocations(), key=lambda e: e.nbytes, reverse=True)[:limit]
+        return [LiveBlock(e.nbytes, list(e.frames or []), e.metadata, e.category or "") for e in entries]
+
+    def capture(self, requested: int | None, frames: list, device_free: int | None = None) -> None:
+        """Keep the state now (called where the allocation failed, before the stack unwinds)."""
+        self._sync()
+        totals = {c.value: v for c, v in CategoryCounter.totals(self._classify()).items()}
+        if self.tracker is not None:
+            allocated = reserved = self.tracker.counters()[0]
+            largest = self._live_blocks()
+            snapshot = None
+        else:
+            allocated, reserved = cuda_allocated(self.device), cuda_reserved(self.device)
+            snapshot = self.window.snapshot_now() if self.device.type == "cuda" else None
+            largest = largest_blocks_from_snapshot(snapshot) if snapshot else []
+        totals[Category.OTHER.value] = max(0, allocated - sum(totals.values()))
+        step, _, _, stage = self._where()
+        self._state = {
+            "requested": requested,
+            "frames": frames,
+            "stage": stage,
+            "step": step,
+            "categories": totals,
+            "allocated": allocated,
+            "reserved": reserved,
+            "largest": largest,
+            "snapshot": snapshot,
+            "device_free": device_free,
+        }
+
+    def on_tracker_oom(self, event: OutOfMemoryEvent) -> None:
+        self.capture(event.requested_bytes, event.frames)
+
+    def on_cuda_oom(self, device: int, requested: int, device_allocated: int, device_free: int) -> None:
+        if self.device.type == "cuda" and (self.device.index or 0) == device:
+            self.capture(requested, [], device_free)
+
+    def post_mortem(self, exception: BaseException) -> tuple[PostMortem, dict[str, Any] | None]:
+        """What the post-mortem says (the state captured at the failure, else the state now), and the snapshot taken
+        at the failure if any."""
+        if self._state is None and self.tracker is not None and self.tracker.backend == "reports":
+            self.tracker.note_oom(exception)  # its listener captures the state, with the stack from the traceback
+        if self._state is None:
+            self.capture(requested_bytes_from_message(str(exception)), [])
+        state, self._state = self._state or {}, None
+        step, epoch, batch_idx, stage = self._where()
+        message = str(exception).strip().splitlines()
+        requested = state.get("requested")
+        if requested is None:
+            requested = requested_bytes_from_message(str(exception))
+        return PostMortem(
+            rank=self.rank,
+            device=str(self.device),
+            step=int(state.get("step", step)),
+            epoch=epoch,
+            batch_idx=batch_idx,
+            stage=str(state.get("stage", stage)),
+            exception_type=type(exception).__name__,
+            message=message[0] if message else "",
+            requested_bytes=requested,
+            allocated_bytes=int(state.get("allocated", 0)),
+            reserved_bytes=int(state.get("reserved", 0)),
+            categories=dict(state.get("categories", {})),
+            largest=list(state.get("largest", [])),
+            failing_frames=list(state.get("frames", [])),
+            device_free_bytes=state.get("device_free"),
+        ), state.get("snapshot")
+
+    def write(self, exception: BaseException) -> list[Path]:
+        """Write ``oom_rank<R>_step<N>.pickle`` and ``.txt``; returns the files written."""
+        pm, snapshot = self.post_mortem(exception)
+        snapshot = snapshot or self.window.snapshot_now()
+        snapshot["memtrace"] = self.window.header(pm.step, pm.step, 0)
+        snapshot["memtrace"]["post_mortem"] = pm.as_dict()
+        base = f"oom_rank{self.rank}_step{pm.step}"
+        paths = [self.files.write_snapshot(base + ".pickle", snapshot, rotate=False)]
+        paths.append(self.files.write_text(base + ".txt", render_post_mortem(pm)))
+        self.last = pm
+        return [path for path in paths if path is not None]

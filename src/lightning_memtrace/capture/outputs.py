@@ -1,0 +1,114 @@
+"""The files one recorder writes: the phases CSV, snapshot pickles (rotated) and post-mortem text.
+
+A failure to write (unwritable folder, full disk) becomes one warning and ends the writing for the run; training and
+measuring go on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from lightning_memtrace.atomic import atomic_write_pickle, atomic_write_text
+from lightning_memtrace.phases_csv import PhaseCsvWriter, phases_filename
+from lightning_memtrace.types import PhaseRecord
+
+
+class RecorderFiles:
+    """Writes into ``output_dir`` (None: writes nothing).
+
+    Args:
+        output_dir: The folder.
+        rank: Put in every file name.
+        max_rows: Most rows written to the CSV (None: no cap).
+        max_snapshots: Most rotated snapshots kept (oldest removed).
+        warn: Called once per kind of problem with ``(kind, message)``.
+    """
+
+    def __init__(
+        self,
+        output_dir: Path | None,
+        rank: int,
+        max_rows: int | None,
+        max_snapshots: int,
+        warn: Callable[[str, str], None],
+    ) -> None:
+        self.output_dir = output_dir
+        self.rank = rank
+        self.max_rows = max_rows
+        self.max_snapshots = max_snapshots
+        self.files: list[Path] = []
+        self.snapshots: list[Path] = []
+        self.rows_written = 0
+        self.ok = output_dir is not None
+        self._warn = warn
+        self._csv: PhaseCsvWriter | None = None
+
+    @property
+    def csv_path(self) -> Path | None:
+        return self.output_dir / phases_filename(self.rank) if self.output_dir is not None else None
+
+    def write_rows(self, records: list[PhaseRecord]) -> None:
+        if not self.ok or self.output_dir is None:
+            return
+        try:
+            if self._csv is None:
+                self._csv = PhaseCsvWriter(self.output_dir / phases_filename(self.rank), max_rows=self.max_rows)
+            written = self._csv.write_many(records)
+            self.rows_written += written
+            if written < len(records) and self._csv.full:
+                self._warn("rows", f"the CSV reached max_rows={self.max_rows}; further rows are not written")
+        except OSError as error:
+            self._failed("the phases CSV", error)
+
+    def write_snapshot(self, name: str, snapshot: dict[str, Any], rotate: bool = True) -> Path | None:
+        """Write a snapshot pickle atomically; a rotated one counts towards ``max_snapshots``."""
+        if not self.ok or self.output_dir is None:
+            return None
+        try:
+            path = atomic_write_pickle(self.output_dir / name, snapshot)
+        except OSError as error:
+            self._failed(name, error)
+            return None
+        self.files.append(path)
+        if rotate:
+            self.snapshots.append(path)
+            while len(self.snapshots) > self.max_snapshots:
+                self._remove(self.snapshots.pop(0))
+        return path
+
+    def write_text(self, name: str, text: str) -> Path | None:
+        if not self.ok or self.output_dir is None:
+            return None
+        try:
+            path = atomic_write_text(self.output_dir / name, text)
+        except OSError as error:
+            self._failed(name, error)
+            return None
+        self.files.append(path)
+        return path
+
+    def close(self) -> None:
+        csv, self._csv = self._csv, None
+        if csv is not None:
+            csv.close()
+
+    @staticmethod
+    def _remove(path: Path) -> None:
+        try:
+            path.unlink()
+        except OSError:
+            pass  # already gone, or the folder became read-only: the next rotation tries no harder
+
+    def _failed(self, what: str, error: BaseException) -> None:
+        self.ok = False
+        try:
+            self.close()
+        except OSError:
+            pass  # the file is being given up on after a failed write: closing it can fail the same way
+        self._warn(
+            "output",
+            f"could not write {what} in {self.output_dir} ({type(error).__name__}: {error}); MemTrace stops writing "
+            "files for this run, training goes on.",
+        )

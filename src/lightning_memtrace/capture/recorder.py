@@ -1,0 +1,457 @@
+"""The recorder: MemTrace's core, independent of Lightning.
+
+Use it as a context manager around a plain PyTorch loop::
+
+    with MemoryRecorder(model, [optimizer], output_dir="memtrace") as recorder:
+        for step, batch in enumerate(loader):
+            recorder.begin_batch(batch, step=step)
+            loss = model(batch).loss
+            recorder.mark_forward_done()
+            loss.backward()
+            recorder.mark_backward_done()
+            optimizer.step()          # a step post-hook takes the after_optimizer_step row
+            optimizer.zero_grad()
+            recorder.end_batch()
+
+The Lightning callback :class:`~lightning_memtrace.MemTrace` maps Lightning's hooks onto the same calls.
+
+The recorder is a state machine over the phases of a step (:mod:`lightning_memtrace.types`); what a row holds is
+:mod:`~lightning_memtrace.capture.rows`, the files :mod:`~lightning_memtrace.capture.outputs`, the history window
+:mod:`~lightning_memtrace.capture.window`, the out-of-memory capture :mod:`~lightning_memtrace.capture.oom`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+import warnings
+from collections import deque
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_memtrace import cuda_history
+from lightning_memtrace.allocator_reports import unavailable_reason
+from lightning_memtrace.capture.categories import CategoryCounter, SavedTensorsRecorder, normalize_device
+from lightning_memtrace.capture.config import RecorderConfig, choose_backend
+from lightning_memtrace.capture.oom import OomCapture
+from lightning_memtrace.capture.outputs import RecorderFiles
+from lightning_memtrace.capture.rows import RowPlace, RowReader
+from lightning_memtrace.capture.window import HistoryWindow
+from lightning_memtrace.counters import MemoryCounters, TrackerCounters, allocator_counters
+from lightning_memtrace.postmortem import PostMortem
+from lightning_memtrace.tracker import AllocationTracker, RowMark, is_out_of_memory
+from lightning_memtrace.types import STAGE_AFTER_PHASE, Phase, PhaseRecord, Stage
+
+#: Deferred rows (see :meth:`MemoryRecorder.flush`) are read at the end of every training batch, and during
+#: validation once this many are waiting or this many seconds have passed.
+_DEFERRED_ROWS_MAX = 256
+_DEFERRED_SECONDS_MAX = 2.0
+
+
+class MemTraceWarning(UserWarning):
+    """A problem of MemTrace's own (it never stops training)."""
+
+
+@dataclasses.dataclass
+class RecorderParts:
+    """Parts a recorder is built with instead of its own (the estimator counts fake tensors on a fake device).
+
+    Attributes:
+        tracker: The allocation tracker (its counters then give allocated and peak).
+        categories: Names parameters, gradients, optimizer state.
+        saved: Records the storages autograd saves.
+    """
+
+    tracker: AllocationTracker | None = None
+    categories: CategoryCounter | None = None
+    saved: SavedTensorsRecorder | None = None
+
+
+def _device_of(model: nn.Module | None) -> torch.device:
+    if model is not None:
+        for tensor in model.parameters():
+            return tensor.device
+        for tensor in model.buffers():
+            return tensor.device
+    return torch.device("cpu")
+
+
+def _reports_available(device: torch.device) -> bool:
+    return device.type == "cpu" and unavailable_reason() is None
+
+
+class MemoryRecorder:
+    """Measures memory at the phases of each step, records the allocator's history and writes post-mortems.
+
+    Args:
+        model: The module being trained (its parameters and their gradients are categorized).
+        optimizers: The optimizers; a step post-hook on each takes the ``after_optimizer_step`` row.
+        config: What to measure and keep (:class:`~lightning_memtrace.capture.config.RecorderConfig`); each of its
+            fields may also be given as a keyword (``history_steps=4``), which overrides it.
+        device: The device to measure; defaults to the model's.
+        rank: Put in every row and file name.
+        output_dir: Folder for ``phases_rank<R>.csv``, snapshots and post-mortems; None writes no files.
+        on_record: Called with each :class:`PhaseRecord` taken (the callback logs them).
+        parts: Parts to use instead of the recorder's own (see :class:`RecorderParts`).
+        **settings: Fields of :class:`RecorderConfig`: ``track_allocations``, ``history``, ``history_skip_steps``,
+            ``history_steps``, ``max_entries``, ``frames_min_bytes``, ``post_mortem``, ``max_rows``, ``every_n_steps``,
+            ``max_snapshots``, ``allocation_backend``, ``window_stacks``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | None = None,
+        optimizers: Sequence[torch.optim.Optimizer] = (),
+        config: RecorderConfig | None = None,
+        *,
+        device: torch.device | str | None = None,
+        rank: int = 0,
+        output_dir: str | os.PathLike | None = None,
+        on_record: Callable[[PhaseRecord], None] | None = None,
+        parts: RecorderParts | None = None,
+        **settings: Any,
+    ) -> None:
+        config = (config or RecorderConfig()).replace(**settings) if settings else (config or RecorderConfig())
+        parts = parts or RecorderParts()
+        self.model = model
+        self.device = normalize_device(device if device is not None else _device_of(model))
+        self.rank = rank
+        self.output_dir = Path(output_dir) if output_dir is not None else None
+        self.on_record = on_record
+        self._warned: set[str] = set()
+        self.tracker, self.counters, self.config = self._measuring_parts(config, parts)
+        self.categories = parts.categories or CategoryCounter(self.device, model, optimizers)
+        self.saved = parts.saved or SavedTensorsRecorder(self.device)
+
+        self.step = self.epoch = self.batch_idx = 0
+        self.stage = Stage.OUTSIDE
+        self.training = False
+        self.started = False
+        self.records: deque[PhaseRecord] = deque(maxlen=2048)
+        self.outputs = RecorderFiles(self.output_dir, rank, self.config.max_rows, self.config.max_snapshots, self._warn)
+        self.rows = RowReader(self.device, self.categories, self.saved, self.tracker, self.counters)
+        self.window = HistoryWindow(
+            self.config, self.device, rank, self.tracker, self.outputs, self.rows.classify, self._sync, self._warn
+        )
+        self.oom = OomCapture(
+            self.device, rank, self.tracker, self.outputs, self.window, self.rows.classify, self._sync, self._where
+        )
+        self._in_batch = self._forward_marked = self._stepped_this_batch = False
+        self._take_rows = True
+        self._step_hooks: list[Any] = []
+        self._step_depth: dict[int, int] = {}
+        self._last_sync = time.monotonic()
+
+    def _measuring_parts(
+        self, config: RecorderConfig, parts: RecorderParts
+    ) -> tuple[AllocationTracker | None, MemoryCounters | None, RecorderConfig]:
+        """The tracker and counters for this device and module, and the settings they were chosen with."""
+        if parts.tracker is not None:
+            return parts.tracker, TrackerCounters(parts.tracker), config
+        device_counters = allocator_counters(self.device)
+        choice = choose_backend(config, self.model, _reports_available(self.device), device_counters is not None)
+        if choice.warning:
+            self._warn("compile", choice.warning)
+        config = choice.config
+        track = config.track_allocations if config.track_allocations is not None else device_counters is None
+        if not track:
+            return None, device_counters, config
+        tracker = AllocationTracker(
+            self.device,
+            max_entries=config.max_entries,
+            frames_min_bytes=config.frames_min_bytes,
+            backend=config.allocation_backend,
+        )
+        tracker.window_stacks = config.window_stacks
+        return tracker, device_counters if device_counters is not None else TrackerCounters(tracker), config
+
+    # ------------------------------------------------------------------------------------------------ lifecycle
+    def start(self) -> MemoryRecorder:
+        if self.started:
+            return self
+        self.started = True
+        if self.tracker is not None:
+            self.tracker.oom_listeners.append(self.oom.on_tracker_oom)
+            self.tracker.start()
+            if self.tracker.fallback_reason is not None:
+                self._warn(
+                    "backend",
+                    f"counting CPU memory with the dispatch mode (slower) instead of the allocator's reports: "
+                    f"{self.tracker.fallback_reason}",
+                )
+        for optimizer in self.categories.optimizers:
+            self._hook_optimizer(optimizer)
+        if self.config.post_mortem and self.device.type == "cuda":
+            cuda_history.add_cuda_oom_listener(self.oom)
+        self.rows.classify()
+        if self.counters is not None:
+            self.counters.read()
+        return self
+
+    def stop(self) -> None:
+        """Write the open history window, remove every hook and leave the dispatch mode. Safe to call twice."""
+        if not self.started:
+            return
+        self.started = False
+        try:
+            if self.window.is_open:
+                self.window.close(self.step)
+        finally:
+            self.saved.pop()
+            for handle in self._step_hooks:
+                handle.remove()
+            self._step_hooks.clear()
+            cuda_history.remove_cuda_oom_listener(self.oom)
+            if self.tracker is not None:
+                if self.oom.on_tracker_oom in self.tracker.oom_listeners:
+                    self.tracker.oom_listeners.remove(self.oom.on_tracker_oom)
+                self.tracker.stop()
+                self._deliver(self.rows.ready())
+            self.outputs.close()
+
+    def __enter__(self) -> MemoryRecorder:
+        return self.start()
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        try:
+            if exc is not None and is_out_of_memory(exc):
+                self.write_post_mortem(exc)
+        finally:
+            self.stop()
+
+    def add_optimizers(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        for optimizer in optimizers:
+            if optimizer not in self.categories.optimizers:
+                self.categories.optimizers.append(optimizer)
+                self.categories.refresh()
+                if self.started:
+                    self._hook_optimizer(optimizer)
+
+    def _hook_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        register = getattr(optimizer, "register_step_post_hook", None)
+        register_pre = getattr(optimizer, "register_step_pre_hook", None)
+        if register is None or register_pre is None:
+            self._warn("hooks", f"{type(optimizer).__name__} has no step hooks: no after_optimizer_step rows")
+            return
+        self._step_hooks.append(register_pre(self._before_optimizer_step))
+        self._step_hooks.append(register(self._after_optimizer_step))
+
+    def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        # A subclass whose step() calls super().step() fires the hooks twice, nested: count the depth.
+        self._step_depth[id(optimizer)] = self._step_depth.get(id(optimizer), 0) + 1
+
+    # ------------------------------------------------------------------------------------------------ phases
+    def begin_batch(self, batch: Any = None, step: int = 0, epoch: int = 0, batch_idx: int = 0, training: bool = True) -> None:
+        """Take the ``batch_start`` (or ``val_batch_start``) row; in training, start collecting saved activations."""
+        self.step, self.epoch, self.batch_idx, self.training = int(step), int(epoch), int(batch_idx), training
+        self._in_batch = True
+        self._forward_marked = not training
+        self._stepped_this_batch = False
+        self._take_rows = self.step % self.config.every_n_steps == 0
+        self.saved.pop()
+        self.saved.clear()
+        self.rows.begin_batch(batch, training)
+        if training:
+            self.window.maybe_open(self.step)
+        self._record(Phase.BATCH_START if training else Phase.VAL_BATCH_START)
+        if training and torch.is_grad_enabled() and not self.saved.push():
+            self._warn("saved", f"activations are not measured: {self.saved.unavailable_reason}")
+
+    def mark_forward_done(self) -> None:
+        """Take the ``after_forward`` row (once per batch; later calls are ignored)."""
+        if not self._in_batch or self._forward_marked:
+            return
+        self._forward_marked = True
+        self.saved.pop()
+        self._record(Phase.AFTER_FORWARD)
+
+    def mark_backward_done(self) -> None:
+        """Take the ``after_backward`` row."""
+        if not self._in_batch:
+            return
+        self.mark_forward_done()
+        self._record(Phase.AFTER_BACKWARD)
+
+    def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        depth = self._step_depth.get(id(optimizer), 1) - 1
+        self._step_depth[id(optimizer)] = max(0, depth)
+        if depth > 0:
+            return
+        try:
+            self._stepped_this_batch = True
+            self._record(Phase.AFTER_OPTIMIZER_STEP)
+        except Exception as error:  # a hook inside torch: never let it break the step
+            self._warn("internal", f"MemTrace failed after the optimizer step and stops measuring: {error!r}")
+            self.stop()
+
+    def end_batch(self, next_step: int | None = None) -> None:
+        """Take the ``batch_end`` (or ``val_batch_end``) row; close the history window when its last step is done.
+
+        Args:
+            next_step: The step number after this batch (Lightning's ``global_step``); defaults to ``step + 1`` if an
+                optimizer stepped in this batch, else ``step``.
+        """
+        if not self._in_batch:
+            return
+        self.saved.pop()
+        self._record(Phase.BATCH_END if self.training else Phase.VAL_BATCH_END)
+        self._in_batch = False
+        self.rows.end_batch()
+        self.saved.clear()
+        if self.rows.deferred and (
+            self.training
+            or len(self.rows.deferred) >= _DEFERRED_ROWS_MAX
+            or time.monotonic() - self._last_sync >= _DEFERRED_SECONDS_MAX
+        ):
+            self._sync()
+        if self.training:
+            if next_step is None:
+                next_step = self.step + (1 if self._stepped_this_batch else 0)
+            last = self.window.last_step()
+            if last is not None and next_step > last:
+                self.window.close(self.step)
+
+    # ------------------------------------------------------------------------------------------------ measuring
+    def measure(self, phase: Phase) -> PhaseRecord:
+        """Measure now, without writing: allocated, reserved, peak since the last measurement, and categories."""
+        self._sync()
+        return self.rows.read(self._place(phase, time.time()))
+
+    def flush(self) -> None:
+        """Read the allocator's reports now and deliver every row still waiting for them (CSV, ``on_record``).
+
+        With the CPU allocator's reports (the default on CPU, outside the history window), a row is taken where it
+        happens but its allocated and peak bytes are read from the report stream later: at the end of each training
+        batch, during validation every few hundred rows or seconds, and here.
+        """
+        self._sync()
+
+    def _sync(self) -> None:
+        tracker = self.tracker
+        if tracker is None:
+            return
+        tracker.sync()
+        self._last_sync = time.monotonic()
+        if tracker.session_lost:
+            self._warn(
+                "session",
+                "another profiler took over the profiling session MemTrace reads the CPU allocator's reports "
+                "from; allocated/peak miss what was freed meanwhile (pass allocation_backend='dispatch' to "
+                "profile and measure together).",
+            )
+        self._deliver(self.rows.ready())
+
+    def _place(self, phase: Phase, time_s: float) -> RowPlace:
+        return RowPlace(phase, self.step, self.epoch, self.batch_idx, self.rank, time_s)
+
+    def _where(self) -> tuple[int, int, int, str]:
+        return self.step, self.epoch, self.batch_idx, self.stage.value
+
+    def _record(self, phase: Phase) -> PhaseRecord | None:
+        tracker = self.tracker
+        deferring = tracker is not None and tracker.deferring
+        if tracker is not None and not deferring:
+            self._sync()  # allocations reported since the last row belong to the stage that is ending
+        self._set_stage(STAGE_AFTER_PHASE[phase])
+        now_us = time.time_ns() // 1000
+        self.window.phase_marks.append((self.step, phase.value, now_us))
+        if deferring:
+            assert tracker is not None
+            if self._take_rows:
+                self.rows.defer(self._place(phase, now_us / 1e6))
+            else:
+                tracker.mark(RowMark(tracker.stage, tracker.metadata))  # the stage still changes there
+            return None
+        if not self._take_rows:
+            return None
+        record = self.rows.read(self._place(phase, time.time()))
+        self._deliver([record])
+        return record
+
+    def _deliver(self, records: list[PhaseRecord]) -> None:
+        if not records:
+            return
+        self.records.extend(records)
+        self.outputs.write_rows(records)
+        if self.on_record is not None:
+            for record in records:
+                self.on_record(record)
+
+    def _set_stage(self, stage: Stage) -> None:
+        self.stage = stage
+        metadata = f"phase={stage.value} step={self.step}"
+        if self.tracker is not None:
+            self.tracker.set_stage(stage.value, metadata)
+        if self.window.is_open and self.device.type == "cuda":
+            cuda_history.set_allocation_metadata(metadata)
+
+    def _warn(self, kind: str, message: str) -> None:
+        if kind in self._warned:
+            return
+        self._warned.add(kind)
+        prefix = f"[rank {self.rank}] " if self.rank else ""
+        warnings.warn(f"{prefix}MemTrace: {message}", MemTraceWarning, stacklevel=3)
+
+    # ------------------------------------------------------------------------------------------------ outputs
+    @property
+    def max_allocated_bytes(self) -> int:
+        """The highest allocated bytes of the run so far, on the measured device.
+
+        On CUDA, MemTrace resets the device's peak statistics at every row (the only way to learn each phase's peak),
+        so ``torch.cuda.max_memory_allocated()`` then reads the peak since the last row; this keeps the run's maximum,
+        the peak the statistics held when the recorder started included.
+        """
+        if self.counters is not None:
+            return int(self.counters.max_allocated)
+        return max((record.peak_bytes for record in self.records), default=0)
+
+    @property
+    def max_reserved_bytes(self) -> int:
+        """The highest reserved bytes of the run so far (see :attr:`max_allocated_bytes`)."""
+        if self.counters is not None:
+            return int(self.counters.max_reserved)
+        return max((record.reserved_bytes for record in self.records), default=0)
+
+    @property
+    def csv_path(self) -> Path | None:
+        return self.outputs.csv_path
+
+    @property
+    def rows_written(self) -> int:
+        return self.outputs.rows_written
+
+    @property
+    def files(self) -> list[Path]:
+        """Snapshot and post-mortem files written so far."""
+        return self.outputs.files
+
+    @property
+    def snapshots(self) -> list[Path]:
+        """The window snapshots kept (at most ``max_snapshots``)."""
+        return self.outputs.snapshots
+
+    @property
+    def last_post_mortem(self) -> PostMortem | None:
+        return self.oom.last
+
+    def write_snapshot(self, name: str | None = None) -> Path | None:
+        """Write the current state (and the history the ring buffer holds) as a snapshot pickle now."""
+        return self.window.write_snapshot(self.step, name)
+
+    def on_cuda_oom(self, device: int, requested: int, device_allocated: int, device_free: int) -> None:
+        self.oom.on_cuda_oom(device, requested, device_allocated, device_free)
+
+    def write_post_mortem(self, exception: BaseException) -> list[Path]:
+        """Write ``oom_rank<R>_step<N>.pickle`` and ``.txt`` for an out-of-memory error. Never raises."""
+        if not self.config.post_mortem:
+            return []
+        try:
+            return self.oom.write(exception)
+        except Exception as error:
+            self._warn("postmortem", f"could not write the out-of-memory post-mortem: {error!r}")
+            return []

@@ -1,0 +1,197 @@
+"""A row's numbers: its categories named from the live storages, and its allocated/peak/reserved bytes.
+
+A row is read at once (allocator counters, or the tracker after it took in the reports so far), or, while the tracker
+defers (the CPU allocator's reports outside the history window), named now and read later, where the report stream
+reaches the row's mark (:class:`~lightning_memtrace.capture.tracker.RowMark`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import deque
+from typing import Any, NamedTuple
+
+import torch
+
+from lightning_memtrace.capture.categories import CategoryCounter, SavedTensorsRecorder, input_storages
+from lightning_memtrace.counters import MemoryCounters
+from lightning_memtrace.tracker import AllocationTracker, RowMark
+from lightning_memtrace.types import Category, Phase, PhaseRecord
+
+_CATEGORY_NAMES = {category: category.value for category in Category}
+Classified = dict[int, tuple[Category, torch.UntypedStorage]]
+Labels = list[tuple[int, str]]
+Foreign = list[tuple[weakref.ref, str]]
+
+
+class RowPlace(NamedTuple):
+    """Where a row was taken: everything of it but its byte counts."""
+
+    phase: Phase
+    step: int
+    epoch: int
+    batch_idx: int
+    rank: int
+    time_s: float
+
+
+def make_record(
+    place: RowPlace, allocated: int, reserved: int, peak: int, totals: dict[Category, int]
+) -> PhaseRecord:
+    """The row: ``other`` is what is allocated beyond the named categories (never negative)."""
+    return PhaseRecord(
+        step=place.step,
+        epoch=place.epoch,
+        batch_idx=place.batch_idx,
+        rank=place.rank,
+        phase=place.phase,
+        time_s=place.time_s,
+        allocated_bytes=allocated,
+        reserved_bytes=reserved,
+        peak_bytes=max(peak, allocated),
+        parameters_bytes=totals[Category.PARAMETERS],
+        gradients_bytes=totals[Category.GRADIENTS],
+        optimizer_state_bytes=totals[Category.OPTIMIZER_STATE],
+        activations_bytes=totals[Category.ACTIVATIONS],
+        inputs_bytes=totals[Category.INPUTS],
+        other_bytes=max(0, allocated - sum(totals.values())),
+    )
+
+
+def row_parts(tracker: AllocationTracker | None, classified: Classified) -> tuple[dict[Category, int], Labels, Foreign]:
+    """Totals by category, and for the tracker the ``(address, category)`` labels and the storages at addresses it does
+    not count yet (adopted at the row's mark)."""
+    totals = {category: 0 for category in Category}
+    labels: Labels = []
+    foreign: Foreign = []
+    if tracker is None:
+        for category, storage in classified.values():
+            totals[category] += storage.nbytes()
+        return totals, labels, foreign
+    counted = tracker.counts_address
+    for category, storage in classified.values():
+        totals[category] += storage.nbytes()
+        addr = storage.data_ptr()
+        name = _CATEGORY_NAMES[category]
+        labels.append((addr, name))
+        if not counted(addr):
+            foreign.append((weakref.ref(storage), name))
+    return totals, labels, foreign
+
+
+class RowReader:
+    """Names and reads the rows of one recorder.
+
+    In training every row names its storages anew. In validation nothing trains, so the model states (parameters,
+    gradients, optimizer state) are named once per validation run (:meth:`begin_batch` with ``training=False`` keeps
+    them) and only the batch's inputs per row; activations are 0 there.
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        categories: CategoryCounter,
+        saved: SavedTensorsRecorder,
+        tracker: AllocationTracker | None,
+        counters: MemoryCounters | None,
+    ) -> None:
+        self.device = device
+        self.categories = categories
+        self.saved = saved
+        self.tracker = tracker
+        self.counters = counters
+        self.training = False
+        #: Rows named and waiting for the report stream to reach their marks, oldest first.
+        self.deferred: deque[RowMark] = deque()
+        self._inputs: dict[int, weakref.ref] = {}
+        self._model_states: tuple[Classified, dict[Category, int], Labels, Foreign] | None = None
+
+    def begin_batch(self, batch: Any, training: bool) -> None:
+        """A batch starts: its tensors are the inputs; a training batch (or a new validation run) names anew."""
+        self.training = training
+        if training or self._model_states is None:
+            self._model_states = None
+            self.categories.refresh()
+        self._inputs = (
+            {key: weakref.ref(storage) for key, storage in input_storages(batch, self.device).items()}
+            if batch is not None
+            else {}
+        )
+
+    def end_batch(self) -> None:
+        self._inputs = {}
+
+    def _live_inputs(self) -> dict[int, torch.UntypedStorage]:
+        out = {}
+        for key, ref in self._inputs.items():
+            storage = ref()
+            if storage is not None:
+                out[key] = storage
+        return out
+
+    def classify(self) -> Classified:
+        """Every storage nameable now, by key; the tracker counts those it did not see made and tags all of them."""
+        classified = self.categories.classify(
+            inputs=self._live_inputs(), saved=self.saved.live_storages() if self.training else None
+        )
+        if self.tracker is not None:
+            self.tracker.label(classified)
+        return classified
+
+    def _validation_parts(self, tracker: AllocationTracker | None) -> tuple[dict[Category, int], Labels, Foreign]:
+        first = self._model_states is None
+        if self._model_states is None:
+            states = self.categories.classify()
+            self._model_states = (states, *row_parts(tracker, states))
+        states, state_totals, state_labels, state_foreign = self._model_states
+        device = self.device
+        inputs = {
+            key: (Category.INPUTS, storage)
+            for key, storage in self._live_inputs().items()
+            if key not in states and storage.device == device
+        }
+        totals, labels, foreign = row_parts(tracker, inputs)
+        for category, nbytes in state_totals.items():
+            totals[category] += nbytes
+        totals[Category.ACTIVATIONS] = 0
+        if first:  # the model states keep their labels for the rest of the validation run
+            labels, foreign = state_labels + labels, state_foreign + foreign
+        return totals, labels, foreign
+
+    def read(self, place: RowPlace) -> PhaseRecord:
+        """The row now (with a tracker: as far as the reports taken in so far go)."""
+        if self.training or self.tracker is not None:
+            totals = CategoryCounter.totals(self.classify())
+            if not self.training:
+                totals[Category.ACTIVATIONS] = 0
+        else:
+            totals = self._validation_parts(None)[0]
+        if self.counters is not None:
+            allocated, reserved, peak = self.counters.read()
+        else:
+            allocated = reserved = peak = sum(totals.values())
+        return make_record(place, int(allocated), int(reserved), int(peak), totals)
+
+    def defer(self, place: RowPlace) -> None:
+        """Name the row now and read its allocated/peak bytes where the report stream reaches its mark."""
+        tracker = self.tracker
+        assert tracker is not None
+        if self.training:
+            classified = self.categories.classify(inputs=self._live_inputs(), saved=self.saved.live_storages())
+            totals, labels, foreign = row_parts(tracker, classified)
+        else:
+            totals, labels, foreign = self._validation_parts(tracker)
+        row = RowMark(tracker.stage, tracker.metadata, labels, foreign, (place, totals))
+        tracker.mark(row)
+        self.deferred.append(row)
+
+    def ready(self) -> list[PhaseRecord]:
+        """The deferred rows the report stream has reached, in order."""
+        rows = self.deferred
+        records = []
+        while rows and rows[0].allocated is not None:
+            row = rows.popleft()
+            place, totals = row.payload
+            allocated = int(row.allocated)
+            records.append(make_record(place, allocated, allocated, int(row.peak or 0), totals))
+        return records

@@ -1,0 +1,167 @@
+"""The history window: the steps for which the allocator's history is recorded, and the snapshots written from it."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_memtrace import cuda_history
+from lightning_memtrace.capture.categories import CategoryCounter
+from lightning_memtrace.capture.config import RecorderConfig
+from lightning_memtrace.capture.outputs import RecorderFiles
+from lightning_memtrace.capture.rows import Classified
+from lightning_memtrace.tracker import AllocationTracker
+
+SNAPSHOT_FORMAT = 1
+
+
+def cuda_allocated(device: torch.device) -> int:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" and torch.cuda.is_available() else 0
+
+
+def cuda_reserved(device: torch.device) -> int:
+    return torch.cuda.memory_reserved(device) if device.type == "cuda" and torch.cuda.is_available() else 0
+
+
+class HistoryWindow:
+    """Opens the window ``history_skip_steps`` steps into the run, for ``history_steps`` steps, once per recorder.
+
+    Inside it the tracker (or, on CUDA, the caching allocator) records every allocation with its stack; at its end the
+    snapshot ``snapshot_rank<R>_steps<a>-<b>.pickle`` is written with MemTrace's own header (``snapshot["memtrace"]``:
+    steps, device, rank, category totals, the phases' times).
+
+    Args:
+        config: The recorder's settings (``history``, ``history_skip_steps``, ``history_steps``, ``max_entries``).
+        device: The measured device.
+        rank: Put in the header and the file name.
+        tracker: The allocation tracker, or None (CUDA records its own history).
+        files: Where snapshots are written.
+        classify: Names the live storages now (for the header's category totals).
+        sync: Takes in the allocator's reports so far.
+        warn: Called once per kind of problem with ``(kind, message)``.
+    """
+
+    def __init__(
+        self,
+        config: RecorderConfig,
+        device: torch.device,
+        rank: int,
+        tracker: AllocationTracker | None,
+        files: RecorderFiles,
+        classify: Callable[[], Classified],
+        sync: Callable[[], None],
+        warn: Callable[[str, str], None],
+    ) -> None:
+        self.config = config
+        self.device = device
+        self.rank = rank
+        self.tracker = tracker
+        self.files = files
+        self._classify = classify
+        self._sync = sync
+        self._warn = warn
+        #: ``(step, phase, time_us)`` of every row, for the snapshot header's phase bands.
+        self.phase_marks: deque[tuple[int, str, int]] = deque(maxlen=max(1000, config.max_entries // 10))
+        self._first_step: int | None = None
+        self._open: tuple[int, int, int] | None = None  # (first step, last step, start time_us)
+        self._start_allocated = 0
+        self._done = False
+
+    @property
+    def is_open(self) -> bool:
+        return self._open is not None
+
+    def last_step(self) -> int | None:
+        return self._open[1] if self._open is not None else None
+
+    def maybe_open(self, step: int) -> None:
+        """At the start of a training batch: open the window if this step is its first."""
+        if self._first_step is None:
+            self._first_step = step
+        config = self.config
+        if not config.history or config.history_steps == 0 or self._done or self._open is not None:
+            return
+        first = self._first_step + config.history_skip_steps
+        if step < first:
+            return
+        now_us = time.time_ns() // 1000
+        try:
+            if not self._start_recording():
+                return
+        except Exception as error:
+            self._done = True
+            self._warn("history", f"could not start recording memory history: {error!r}")
+            return
+        self._open = (step, first + config.history_steps - 1, now_us)
+
+    def _start_recording(self) -> bool:
+        if self.device.type == "cuda" and self.tracker is None:
+            if not cuda_history.cuda_history_supported():
+                self._done = True
+                self._warn("history", "this torch cannot record the CUDA allocator's history: no snapshot")
+                return False
+            cuda_history.start_cuda_history(self.config.max_entries)
+        elif self.tracker is not None:
+            self.tracker.record_history(True)
+            self._start_allocated = self.tracker.counters()[0]  # record_history took the reports in
+        else:
+            self._done = True
+            return False
+        return True
+
+    def close(self, step: int) -> Path | None:
+        """Stop recording and write the window's snapshot (its last step is ``step`` if the run ended early)."""
+        window, self._open = self._open, None
+        if window is None:
+            return None
+        self._done = True
+        first, planned_last, since_us = window
+        last = max(first, min(planned_last, step))
+        try:
+            snapshot = self.snapshot_now(since_us)
+            snapshot["memtrace"] = self.header(first, last, since_us)
+        finally:
+            if self.tracker is not None:
+                self.tracker.record_history(False)
+            elif self.device.type == "cuda":
+                cuda_history.set_allocation_metadata("")
+                cuda_history.stop_cuda_history()
+        return self.files.write_snapshot(f"snapshot_rank{self.rank}_steps{first}-{last}.pickle", snapshot)
+
+    def snapshot_now(self, since_us: int = 0) -> dict[str, Any]:
+        """The allocator's state now and the history its ring buffer holds (since ``since_us``), memory_viz's format."""
+        if self.tracker is not None:
+            return self.tracker.snapshot(since_us=since_us, device_index=self.device.index or 0)
+        if self.device.type == "cuda" and cuda_history.cuda_history_supported():
+            return cuda_history.cuda_snapshot()
+        return {"segments": [], "device_traces": []}
+
+    def header(self, first: int, last: int, since_us: int) -> dict[str, Any]:
+        """MemTrace's part of a snapshot (``snapshot["memtrace"]``)."""
+        self._sync()
+        classified = self._classify()
+        tracker = self.tracker
+        return {
+            "format": SNAPSHOT_FORMAT,
+            "producer": "lightning_memtrace",
+            "device": str(self.device),
+            "rank": self.rank,
+            "steps": [first, last],
+            "allocated_bytes": tracker.counters()[0] if tracker is not None else cuda_allocated(self.device),
+            "allocated_at_start_bytes": self._start_allocated if tracker is not None else None,
+            "categories": {c.value: v for c, v in CategoryCounter.totals(classified).items()},
+            "phases": [
+                {"step": step, "phase": phase, "time_us": t} for step, phase, t in self.phase_marks if t >= since_us
+            ],
+        }
+
+    def write_snapshot(self, step: int, name: str | None = None) -> Path | None:
+        """Write the current state (and the history the ring buffer holds) as a snapshot pickle now."""
+        snapshot = self.snapshot_now()
+        snapshot["memtrace"] = self.header(step, step, 0)
+        return self.files.write_snapshot(name or f"snapshot_rank{self.rank}_step{step}.pickle", snapshot)
