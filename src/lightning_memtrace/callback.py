@@ -14,7 +14,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-import torch
 from typing_extensions import override
 
 import lightning.pytorch as pl
@@ -25,66 +24,18 @@ from lightning_memtrace.allocator_reports import track_every_cpu_block
 from lightning_memtrace.capture.config import AllocationBackend, RecorderConfig
 from lightning_memtrace.capture.recorder import MemoryRecorder
 from lightning_memtrace.tracker import is_out_of_memory
-from lightning_memtrace.types import COUNTERS, Phase, PhaseRecord
-from lightning_memtrace.units import MIB
+from lightning_memtrace.trainer import extras, ranks
+from lightning_memtrace.types import PhaseRecord
+from lightning_memtrace.trainer.cadence import (
+    RowMaxima,
+    accumulating,
+    lightning_logs_now,
+    log_step,
+    log_to_loggers,
+    profiles_with_torch,
+)
 
 _F = TypeVar("_F", bound=Callable[..., Any])
-_RANK_BITS = 16
-TRAIN_PHASES = (Phase.BATCH_START, Phase.AFTER_FORWARD, Phase.AFTER_BACKWARD, Phase.AFTER_OPTIMIZER_STEP, Phase.BATCH_END)
-VAL_PHASES = (Phase.VAL_BATCH_START, Phase.VAL_BATCH_END)
-# per phase: (metric key, PhaseRecord attribute) for each counter, built once
-_METRIC_KEYS = {phase: tuple((f"memtrace/{phase.value}/{c}", f"{c}_bytes") for c in COUNTERS) for phase in Phase}
-
-
-def _log_step(trainer: pl.Trainer) -> int:
-    """The step Lightning logs its own metrics at: the fit loop's count of batches that stepped."""
-    try:
-        return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
-    except AttributeError:
-        return int(trainer.global_step)
-
-
-def _accumulating(trainer: pl.Trainer) -> bool:
-    """This batch only accumulates gradients: Lightning logs no step metrics after it (automatic optimization)."""
-    try:
-        return bool(trainer.fit_loop._should_accumulate()) and trainer.lightning_module.automatic_optimization
-    except AttributeError:
-        return False
-
-
-def _lightning_logs_now(trainer: pl.Trainer) -> bool:
-    """Lightning logs its step metrics after this training batch (``LoggerConnector.update_train_step_metrics``)."""
-    if _accumulating(trainer):
-        return False
-    connector = getattr(trainer, "_logger_connector", None)
-    try:
-        should = bool(connector.should_update_logs)  # type: ignore[union-attr]
-    except AttributeError:
-        every = trainer.log_every_n_steps
-        should = bool(every) and ((_log_step(trainer) + 1) % every == 0 or trainer.should_stop)
-    return should or bool(trainer.fast_dev_run)
-
-
-def _log_to_loggers(trainer: pl.Trainer, metrics: dict[str, float], step: int) -> None:
-    """Log through Lightning's own path, as its built-in callbacks do; a logger's exception propagates unchanged."""
-    if not metrics or not trainer.loggers:
-        return
-    log_metrics = getattr(getattr(trainer, "_logger_connector", None), "log_metrics", None)
-    if callable(log_metrics):
-        log_metrics(metrics, step=step)  # every logger: log_metrics(metrics=..., step=...), then save()
-        return
-    for logger in trainer.loggers:
-        logger.log_metrics(metrics=metrics, step=step)
-        logger.save()
-
-
-def _profiles_with_torch(trainer: pl.Trainer) -> bool:
-    """The Trainer's profiler records with ``torch.profiler`` (it would take the thread's session over)."""
-    try:
-        from lightning.pytorch.profilers import PyTorchProfiler
-    except ImportError:
-        return False
-    return isinstance(getattr(trainer, "profiler", None), PyTorchProfiler)
 
 
 def _guarded(hook: _F) -> _F:
@@ -268,8 +219,7 @@ class MemTrace(Callback):
         self._rank = 0
         self._disabled = False
         # maxima (MiB) of the rows taken since the last logged training step / in this validation run
-        self._train_metrics: dict[str, float] = {}
-        self._val_metrics: dict[str, float] = {}
+        self._maxima = RowMaxima()
         self._estimate_metrics: dict[str, float] | None = None
         self._rows_total = 0
         self._last_step: int | None = None
@@ -289,15 +239,8 @@ class MemTrace(Callback):
     def _on_record(self, record: PhaseRecord) -> None:
         self._rows_total += 1
         self._last_step = record.step
-        if not self.log_metrics:
-            return
-        # Several rows of one phase before they are logged (micro-batches of one optimizer step, the batches of a
-        # validation run): each key keeps the maximum.
-        target = self._val_metrics if record.phase in VAL_PHASES else self._train_metrics
-        for key, attribute in _METRIC_KEYS[record.phase]:
-            value = getattr(record, attribute) / MIB
-            if value > target.get(key, -1.0):
-                target[key] = value
+        if self.log_metrics:
+            self._maxima.add(record)
 
     @property
     def max_allocated_bytes(self) -> int:
@@ -347,7 +290,7 @@ class MemTrace(Callback):
         self._finish()
         self.device = pl_module.device
         config = self.config
-        if config.allocation_backend == "auto" and _profiles_with_torch(trainer):
+        if config.allocation_backend == "auto" and profiles_with_torch(trainer):
             # the thread's profiling session is the user's: see allocations another way
             config = config.replace(allocation_backend="dispatch")
         self.recorder = MemoryRecorder(
@@ -369,12 +312,12 @@ class MemTrace(Callback):
         self._begin_train_batch(trainer, batch, batch_idx)
         estimate, self._estimate_metrics = self._estimate_metrics, None
         if estimate:
-            _log_to_loggers(trainer, estimate, _log_step(trainer))  # outside the guard: a logger's error propagates
+            log_to_loggers(trainer, estimate, log_step(trainer))  # outside the guard: a logger's error propagates
 
     @_guarded
     def _begin_train_batch(self, trainer: pl.Trainer, batch: Any, batch_idx: int) -> None:
         if self.estimate and self.estimated is None and trainer.lightning_module.automatic_optimization:
-            self._estimate(trainer, batch)
+            self.estimated, self._estimate_metrics = extras.estimate_run(trainer, batch)
         if self.recorder is not None:
             self.recorder.begin_batch(batch, trainer.global_step, trainer.current_epoch, batch_idx, training=True)
 
@@ -411,7 +354,7 @@ class MemTrace(Callback):
                 if self.log_metrics:
                     metrics.update(maxima)
         # Outside the guard too: an exception from a logger is the user's, and reaches the user unchanged.
-        _log_to_loggers(trainer, metrics, _log_step(trainer))
+        log_to_loggers(trainer, metrics, log_step(trainer))
 
     @_guarded
     def _end_train_batch(self, trainer: pl.Trainer) -> dict[str, float] | None:
@@ -421,59 +364,38 @@ class MemTrace(Callback):
             return None
         recorder.end_batch(next_step=trainer.global_step)
         recorder.flush()
-        if _accumulating(trainer):
+        if accumulating(trainer):
             return None  # the next micro-batches belong to the same optimizer step: keep their maxima together
-        metrics, self._train_metrics = self._train_metrics, {}
-        return metrics if metrics and _lightning_logs_now(trainer) else None
+        metrics = self._maxima.take_train()
+        return metrics if metrics and lightning_logs_now(trainer) else None
 
     def _gather_across_ranks(self, trainer: pl.Trainer, step: int) -> dict[str, float]:
         """Per phase and counter, the maximum over ranks and the rank that holds it (rank zero; empty elsewhere).
 
         One ``all_reduce(MAX)`` of a small int64 tensor whose entries encode ``bytes << 16 | rank``.
         """
-        values = torch.full((len(TRAIN_PHASES), len(COUNTERS)), -1, dtype=torch.int64)
-        rank = trainer.global_rank
+        recorder = self.recorder
+        records = list(recorder.records) if recorder is not None and not self._disabled else []
         try:
-            recorder = self.recorder
-            for record in list(recorder.records) if recorder is not None and not self._disabled else []:
-                if record.step != step or record.phase not in TRAIN_PHASES:
-                    continue
-                row = TRAIN_PHASES.index(record.phase)
-                for column, counter in enumerate(COUNTERS):
-                    encoded = (getattr(record, f"{counter}_bytes") << _RANK_BITS) | rank
-                    values[row, column] = max(int(values[row, column]), encoded)
-        except Exception:
-            pass
+            values = ranks.encode_step(records, step, trainer.global_rank)
+        except Exception:  # this rank's rows are unreadable: it still takes part in the collective, with none
+            values = ranks.encode_step([], step, trainer.global_rank)
         try:
-            import torch.distributed as dist
-
-            if not (dist.is_available() and dist.is_initialized()):
-                return {}
-            reduced = values.to(trainer.strategy.root_device)
-            dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
-            reduced = reduced.cpu()
+            reduced = ranks.all_reduce_max(values, trainer.strategy.root_device)
         except Exception as error:
             self.gather_ranks = False
             rank_zero_warn(f"MemTrace could not gather memory across ranks ({error!r}); per-rank files are unaffected.")
             return {}
-        if not trainer.is_global_zero:
+        if reduced is None or not trainer.is_global_zero:
             return {}
-        metrics: dict[str, float] = {}
-        for row, phase in enumerate(TRAIN_PHASES):
-            for column, counter in enumerate(COUNTERS):
-                encoded = int(reduced[row, column])
-                if encoded < 0:
-                    continue
-                metrics[f"memtrace/{phase.value}/{counter}_max"] = (encoded >> _RANK_BITS) / MIB
-                metrics[f"memtrace/{phase.value}/{counter}_max_rank"] = float(encoded & ((1 << _RANK_BITS) - 1))
-        self.last_rank_maxima = metrics
-        return dict(metrics)
+        self.last_rank_maxima = ranks.decode_maxima(reduced)
+        return dict(self.last_rank_maxima)
 
     @override
     @_guarded
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking:
-            self._val_metrics = {}
+            self._maxima.take_val()
 
     @override
     @_guarded
@@ -501,7 +423,7 @@ class MemTrace(Callback):
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         metrics = self._end_validation(trainer)
         if metrics:
-            _log_to_loggers(trainer, metrics, _log_step(trainer))  # outside the guard: a logger's error propagates
+            log_to_loggers(trainer, metrics, log_step(trainer))  # outside the guard: a logger's error propagates
 
     @_guarded
     def _end_validation(self, trainer: pl.Trainer) -> dict[str, float] | None:
@@ -509,75 +431,15 @@ class MemTrace(Callback):
         if self.recorder is None or trainer.sanity_checking:
             return None
         self.recorder.flush()
-        metrics, self._val_metrics = self._val_metrics, {}
-        return metrics or None
+        return self._maxima.take_val() or None
 
     @override
     @_guarded
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._finish()
-        self._write_estimate_comparison()
+        self.estimate_comparison = extras.compare_with_run(self.estimated, self.output_dir, self._rank)
         if self.report and trainer.is_global_zero:
-            self._write_report(trainer)
-
-    def _estimate(self, trainer: pl.Trainer, batch: Any) -> None:
-        """Estimate this run on fake tensors from the real module and its first batch; log it."""
-        from lightning.pytorch.utilities.rank_zero import rank_zero_info
-
-        from lightning_memtrace.estimator import estimate_for_module
-
-        self.estimated = False
-        try:
-            estimate = estimate_for_module(
-                trainer.lightning_module,
-                batch,
-                precision=trainer.precision,
-                accumulate_grad_batches=trainer.accumulate_grad_batches,
-            )
-        except Exception as error:
-            rank_zero_warn(f"MemTrace could not estimate this run ({type(error).__name__}: {error}); measuring only.")
-            return
-        self.estimated = estimate
-        rank_zero_info(f"MemTrace estimate (fake tensors, before the first step):\n{estimate.table()}")
-        metrics = {
-            f"memtrace/estimate/{getattr(name, 'value', name)}": value / MIB for name, value in estimate.category_bytes().items()
-        }
-        metrics["memtrace/estimate/peak"] = estimate.peak_bytes / MIB
-        self._estimate_metrics = metrics  # logged by on_train_batch_start, outside the guard
-
-    def _write_estimate_comparison(self) -> None:
-        estimate, folder = self.estimated, self.output_dir
-        if not estimate or folder is None or not any(folder.glob(f"phases_rank{self._rank}.csv")):
-            return
-        from lightning_memtrace.estimator import compare_estimate, comparison_path, write_comparison_csv
-        from lightning_memtrace.phases_csv import load_phases
-
-        try:
-            phases = load_phases(folder / f"phases_rank{self._rank}.csv")
-            self.estimate_comparison = compare_estimate(estimate, phases)
-            write_comparison_csv(self.estimate_comparison, comparison_path(folder, self._rank))
-        except Exception as error:
-            rank_zero_warn(f"MemTrace could not compare the estimate with the run: {error}")
-
-    def _write_report(self, trainer: pl.Trainer) -> None:
-        folder = self.output_dir
-        if folder is None or not folder.is_dir() or not any(folder.glob("phases_rank*.csv")):
-            return
-        from lightning_memtrace.report import write_report
-
-        try:
-            self.report_path = write_report(folder, folder / "report.html", folder / "timeline.png")
-        except Exception as error:
-            rank_zero_warn(f"MemTrace could not write the report in {folder}: {error}")
-            return
-        png = folder / "timeline.png"
-        for logger in trainer.loggers:
-            experiment = getattr(logger, "experiment", None)
-            if png.is_file() and hasattr(experiment, "add_image"):
-                import matplotlib.image
-
-                image = matplotlib.image.imread(str(png))[..., :3]
-                experiment.add_image("memtrace/timeline", image, global_step=trainer.global_step, dataformats="HWC")
+            self.report_path = extras.write_fit_report(trainer, self.output_dir) or self.report_path
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -609,7 +471,8 @@ class MemTrace(Callback):
         """
         recorder, self.recorder = self.recorder, None
         # (_batch_step stays: a rank whose MemTrace switched itself off still takes part in the gather)
-        self._train_metrics, self._val_metrics, self._estimate_metrics = {}, {}, None
+        self._maxima.clear()
+        self._estimate_metrics = None
         if recorder is None:
             return
         self._files = list(recorder.files)
