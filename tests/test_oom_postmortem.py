@@ -64,3 +64,26 @@ def test_plain_loop_recorder_writes_post_mortem_and_reraises(tmp_path):
     assert "died in:       the optimizer step" in text
     assert "(1,000,000,000,000,000 B)" in text
     assert not recorder.started
+
+
+def test_oom_names_its_post_mortem_and_report_in_one_line(tmp_path, capsys):
+    callback = MemTrace()
+    with pytest.raises(RuntimeError, match="can't allocate memory"):
+        trainer(tmp_path, [callback], max_steps=3).fit(MLP(oom_at=1))
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("MemTrace: out of memory")]
+    folder = callback.output_dir
+    assert lines == [
+        f"MemTrace: out of memory at step 1 (forward); post-mortem: {folder / 'oom_rank0_step1.txt'}; "
+        f"report: {folder / 'report.html'}"
+    ]
+    assert (folder / "report.html").is_file() and callback.report_path == folder / "report.html"
+
+
+def test_plain_loop_oom_names_its_post_mortem(tmp_path, capsys):
+    model = torch.nn.Linear(8, 8)
+    with pytest.raises(RuntimeError, match="can't allocate memory"):
+        with MemoryRecorder(model, [], output_dir=tmp_path, rank=2) as recorder:
+            recorder.begin_batch(torch.randn(2, 8), step=4)
+            torch.empty(10**15, dtype=torch.uint8)
+    err = capsys.readouterr().err.splitlines()
+    assert f"[rank 2] MemTrace: out of memory at step 4 (forward); post-mortem: {tmp_path / 'oom_rank2_step4.txt'}" in err

@@ -231,9 +231,14 @@ class MemTrace(Callback):
     def _disable(self, reason: str) -> None:
         self._disabled = True
         rank_zero_warn(f"MemTrace switched itself off: {reason}. Training goes on.")
+        self._finish_quietly()
+
+    def _finish_quietly(self) -> None:
         try:
             self._finish()
-        except Exception:
+        except Exception:  # noqa: S110
+            # Called while switching off or while the run ends (an exception propagating, teardown): releasing what
+            # is left cannot be retried, and a second warning or error would only hide the first.
             pass
 
     def _on_record(self, record: PhaseRecord) -> None:
@@ -447,21 +452,21 @@ class MemTrace(Callback):
         try:
             recorder = self.recorder
             if recorder is not None and is_out_of_memory(exception):
-                recorder.write_post_mortem(exception)
+                paths = recorder.write_post_mortem(exception, announce=False)
+                self._finish_quietly()  # the CSV is closed and whole before the report reads it
+                report = None
+                if paths and self.report and trainer.is_global_zero:
+                    report = extras.write_fit_report(trainer, self.output_dir, log_image=False)
+                    self.report_path = report or self.report_path
+                recorder.announce_post_mortem(paths, report)
         except Exception as error:
             rank_zero_warn(f"MemTrace could not write the post-mortem: {error!r}")
         finally:
-            try:
-                self._finish()
-            except Exception:
-                pass
+            self._finish_quietly()
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        try:
-            self._finish()
-        except Exception:
-            pass
+        self._finish_quietly()
 
     def _finish(self) -> None:
         """Stop the recorder and let go of it: nothing that holds hooks, weak references, files or the trainer stays.

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import time
 import warnings
 from collections import deque
@@ -446,12 +447,33 @@ class MemoryRecorder:
     def on_cuda_oom(self, device: int, requested: int, device_allocated: int, device_free: int) -> None:
         self.oom.on_cuda_oom(device, requested, device_allocated, device_free)
 
-    def write_post_mortem(self, exception: BaseException) -> list[Path]:
-        """Write ``oom_rank<R>_step<N>.pickle`` and ``.txt`` for an out-of-memory error. Never raises."""
+    def write_post_mortem(self, exception: BaseException, announce: bool = True) -> list[Path]:
+        """Write ``oom_rank<R>_step<N>.pickle`` and ``.txt`` for an out-of-memory error. Never raises.
+
+        Args:
+            exception: The out-of-memory error (it propagates afterwards; this does not raise it).
+            announce: Print one line naming the post-mortem on stderr (see :meth:`announce_post_mortem`).
+        """
         if not self.config.post_mortem:
             return []
         try:
-            return self.oom.write(exception)
+            paths = self.oom.write(exception)
         except Exception as error:
             self._warn("postmortem", f"could not write the out-of-memory post-mortem: {error!r}")
             return []
+        if announce:
+            self.announce_post_mortem(paths)
+        return paths
+
+    def announce_post_mortem(self, paths: list[Path], report: Path | None = None) -> None:
+        """One line on stderr naming the post-mortem (and the report), so that the traceback that follows is not all
+        the user sees."""
+        pm = self.oom.last
+        text = next((path for path in paths if path.suffix == ".txt"), None)
+        if pm is None or text is None:
+            return
+        prefix = f"[rank {self.rank}] " if self.rank else ""
+        line = f"{prefix}MemTrace: out of memory at step {pm.step} ({pm.stage}); post-mortem: {text}"
+        if report is not None:
+            line += f"; report: {report}"
+        print(line, file=sys.stderr, flush=True)

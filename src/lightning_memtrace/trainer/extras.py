@@ -55,8 +55,9 @@ def compare_with_run(estimate: Any, folder: Path | None, rank: int) -> Any:
     return comparison
 
 
-def write_fit_report(trainer: pl.Trainer, folder: Path | None) -> Path | None:
-    """``report.html`` and ``timeline.png`` in ``folder``; the PNG is logged to TensorBoard as ``memtrace/timeline``."""
+def write_fit_report(trainer: pl.Trainer, folder: Path | None, log_image: bool = True) -> Path | None:
+    """``report.html`` and ``timeline.png`` in ``folder``; with ``log_image``, the PNG is logged to TensorBoard as
+    ``memtrace/timeline``."""
     if folder is None or not folder.is_dir() or not any(folder.glob("phases_rank*.csv")):
         return None
     from lightning_memtrace.report import write_report
@@ -67,7 +68,7 @@ def write_fit_report(trainer: pl.Trainer, folder: Path | None) -> Path | None:
         rank_zero_warn(f"MemTrace could not write the report in {folder}: {error}")
         return None
     png = folder / "timeline.png"
-    for logger in trainer.loggers:
+    for logger in trainer.loggers if log_image else ():
         experiment = getattr(logger, "experiment", None)
         if png.is_file() and hasattr(experiment, "add_image"):
             import matplotlib.image
