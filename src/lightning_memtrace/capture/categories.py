@@ -9,7 +9,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_memtrace.capture.storages import iter_tensors, optimizer_state_tensors, same_device, storage_key
+from lightning_memtrace.capture.storages import (
+    iter_tensors,
+    memory_tensors,
+    optimizer_state_tensors,
+    same_device,
+    storage_key,
+    wrapped_tensors,
+)
 from lightning_memtrace.types import Category
 
 StorageMap = dict[int, torch.UntypedStorage]
@@ -122,11 +129,17 @@ class CategoryCounter:
         device = self.device
         on_cpu = device.type == "cpu"
         for tensor in tensors:
-            if not isinstance(tensor, Tensor):
-                continue
+            plain = type(tensor) in _PLAIN_TENSORS
+            if not plain:
+                if not isinstance(tensor, Tensor):
+                    continue
+                inner = wrapped_tensors(tensor)
+                if inner is not None:  # a DTensor: its memory is its local shard
+                    self._collect(inner, into, category)
+                    continue
             # `is_cpu` reads a flag where `.device` builds a device object (this runs for every tensor of every row);
             # subclasses (fake tensors) may report a device of their own.
-            if on_cpu and type(tensor) in _PLAIN_TENSORS:
+            if on_cpu and plain:
                 if not tensor.is_cpu:
                     continue
             elif tensor.device != device:
@@ -176,7 +189,7 @@ def normalize_device(device: torch.device | str) -> torch.device:
 
 def input_storages(batch: Any, device: torch.device) -> StorageMap:
     out: StorageMap = {}
-    for tensor in iter_tensors(batch):
+    for tensor in memory_tensors(iter_tensors(batch)):
         if same_device(tensor.device, device):
             found = storage_key(tensor)
             if found is not None:

@@ -9,6 +9,43 @@ import torch
 from torch import Tensor
 
 
+_PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
+
+
+def wrapped_tensors(tensor: Tensor) -> list[Tensor] | None:
+    """The tensors a wrapper subclass holds its memory in (a DTensor's local shard), or None for a tensor that holds
+    its own (plain tensors, fake tensors).
+
+    A wrapper's own storage is no memory: reading its pointer fails, and its bytes are its inner tensors'.
+    """
+    if type(tensor) in _PLAIN_TENSORS:
+        return None
+    flatten = getattr(tensor, "__tensor_flatten__", None)
+    if flatten is None:
+        return None
+    try:
+        names, _ = flatten()
+        inner = [getattr(tensor, name) for name in names]
+    except Exception:
+        return []  # a wrapper that does not say what it holds: nothing of it can be counted safely
+    out: list[Tensor] = []
+    for item in inner:
+        if isinstance(item, Tensor):
+            nested = wrapped_tensors(item)
+            out.extend(nested if nested is not None else [item])
+    return out
+
+
+def memory_tensors(tensors: Iterable[Tensor]) -> Iterator[Tensor]:
+    """The tensors that hold the memory of ``tensors``: each itself, or a wrapper's inner tensors."""
+    for tensor in tensors:
+        inner = wrapped_tensors(tensor) if isinstance(tensor, Tensor) else None
+        if inner is None:
+            yield tensor
+        else:
+            yield from inner
+
+
 def storage_key(tensor: Tensor) -> tuple[int, torch.UntypedStorage] | None:
     """The identity of a tensor's storage (its C++ object) and the storage, or None for tensors without one."""
     try:
@@ -43,7 +80,7 @@ def iter_tensors(obj: Any, _depth: int = 0) -> Iterator[Tensor]:
 def unique_storages(tensors: Iterable[Tensor], device: torch.device | None = None) -> dict[int, torch.UntypedStorage]:
     """Storages of the tensors, deduplicated, optionally only those on ``device``."""
     out: dict[int, torch.UntypedStorage] = {}
-    for tensor in tensors:
+    for tensor in memory_tensors(tensors):
         if device is not None and not same_device(tensor.device, device):
             continue
         found = storage_key(tensor)
