@@ -21,9 +21,9 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks.callback import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_memtrace.counters import allocator_has_counters
+from lightning_memtrace.capture.counters import allocator_has_counters
 from lightning_memtrace.recorder import MemoryRecorder
-from lightning_memtrace.tracker import is_out_of_memory
+from lightning_memtrace.capture.oom_errors import is_out_of_memory
 from lightning_memtrace.types import COUNTERS, Phase, PhaseRecord
 from lightning_memtrace.units import MIB
 
@@ -87,7 +87,7 @@ def _profiles_with_torch(trainer: pl.Trainer) -> bool:
 
 
 def _reports_available(device: torch.device) -> bool:
-    from lightning_memtrace.allocator_reports import unavailable_reason
+    from lightning_memtrace.capture.reports_backend import unavailable_reason
 
     return device.type == "cpu" and unavailable_reason() is None
 
@@ -250,7 +250,7 @@ class MemTrace(Callback):
             raise ValueError(f"allocation_backend must be 'auto', 'reports' or 'dispatch', not {allocation_backend!r}")
         self.allocation_backend = allocation_backend
         if allocation_backend != "dispatch" and track_allocations is not False:
-            from lightning_memtrace.allocator_reports import track_every_cpu_block
+            from lightning_memtrace.capture.reports_backend import track_every_cpu_block
 
             track_every_cpu_block()
         self.dirpath = Path(dirpath) if dirpath is not None else None

@@ -39,10 +39,10 @@ from torch import Tensor, nn
 
 from lightning_memtrace.atomic import atomic_write_text
 from lightning_memtrace.categories import CategoryCounter, SavedTensorsRecorder, StorageMap
-from lightning_memtrace.counters import TrackerCounters
+from lightning_memtrace.capture.counters import TrackerCounters
 from lightning_memtrace.recorder import MemoryRecorder
 from lightning_memtrace.storages import unique_storages
-from lightning_memtrace.tracker import AllocationTracker
+from lightning_memtrace.capture.tracker import AllocationTracker
 from lightning_memtrace.types import MEASURED_CATEGORIES, Category, Phase, PhaseRecord
 from lightning_memtrace.units import format_bytes
 

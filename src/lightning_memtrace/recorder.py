@@ -30,19 +30,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_memtrace import cuda_history
+from lightning_memtrace.capture import cuda_history
 from lightning_memtrace.atomic import atomic_write_pickle, atomic_write_text
 from lightning_memtrace.categories import CategoryCounter, SavedTensorsRecorder, input_storages, normalize_device
-from lightning_memtrace.counters import MemoryCounters, TrackerCounters, allocator_counters
+from lightning_memtrace.capture.counters import MemoryCounters, TrackerCounters, allocator_counters
 from lightning_memtrace.phases_csv import PhaseCsvWriter, phases_filename
 from lightning_memtrace.postmortem import LiveBlock, PostMortem, largest_blocks_from_snapshot, render_post_mortem
-from lightning_memtrace.tracker import (
-    AllocationTracker,
-    OutOfMemoryEvent,
-    RowMark,
-    is_out_of_memory,
-    requested_bytes_from_message,
-)
+from lightning_memtrace.capture.oom_errors import is_out_of_memory, requested_bytes_from_message
+from lightning_memtrace.capture.tracker import AllocationTracker, OutOfMemoryEvent, RowMark
 from lightning_memtrace.types import STAGE_AFTER_PHASE, Category, Phase, PhaseRecord, Stage
 
 SNAPSHOT_FORMAT = 1

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from lightning_memtrace.tracker import AllocationTracker
+if TYPE_CHECKING:
+    from lightning_memtrace.capture.tracker import AllocationTracker
 
 
 class MemoryCounters(Protocol):
@@ -126,6 +127,6 @@ def allocator_counters(device: torch.device) -> MemoryCounters | None:
             counters = AcceleratorCounters(device)
             counters.read()
             return counters
-        except Exception:
+        except Exception:  # a backend whose counters cannot be read here: the tracker counts instead
             return None
     return None
