@@ -93,11 +93,6 @@ def another_profiler_active() -> bool:
     return api is not None and bool(api[0]._profiler_enabled())
 
 
-def session_profiler_enabled() -> bool:
-    """A raw profiler session records on this thread (``profiler_api()`` must not be None)."""
-    return bool(profiler_api()[0]._profiler_enabled())  # type: ignore[index]
-
-
 def _privateuse1_in_use() -> bool:
     return torch._C._get_privateuse1_backend_name() != "privateuseone"
 
@@ -180,29 +175,13 @@ class NativeLogging:
         #: Whether this process has spent the CPU allocator's first "unknown size" warning (it logs the 1st, 1001st, ...).
         self.unknown_free_warning_spent = False
 
-    @contextlib.contextmanager
-    def kineto_silenced(self) -> Iterator[None]:
-        kineto = self._kineto
-        previous = kineto.value
-        kineto.value = self.SILENT
-        try:
-            yield
-        finally:
-            if kineto.value != self.SILENT:
-                # The first session of the process initialized kineto inside the call, which set kineto's own level
-                # (what the user's profilers get from now on): keep that one.
-                previous = kineto.value
-            kineto.value = previous
+    def kineto_silenced(self) -> contextlib.AbstractContextManager[None]:
+        # The first session of the process initializes kineto inside the call, which sets kineto's own level (what
+        # the user's profilers get from now on): that one is kept.
+        return _raised(self._kineto, self.SILENT, keep_changed=True)
 
-    @contextlib.contextmanager
-    def c10_silenced(self) -> Iterator[None]:
-        c10 = self._c10
-        previous = c10.value
-        c10.value = self.SILENT
-        try:
-            yield
-        finally:
-            c10.value = previous
+    def c10_silenced(self) -> contextlib.AbstractContextManager[None]:
+        return _raised(self._c10, self.SILENT, keep_changed=False)
 
     def track_every_cpu_block(self) -> None:
         """Have the CPU allocator note every block's size from now on, on every thread, also while no session records.
@@ -239,6 +218,19 @@ class NativeLogging:
             return torch.empty(1, dtype=torch.uint8)
         finally:
             self._report_cpu.value = previous
+
+
+@contextlib.contextmanager
+def _raised(level: ctypes.c_int, value: int, keep_changed: bool) -> Iterator[None]:
+    """Set a C++ log level to ``value`` for the block; restore it after (or keep what the block set, if asked)."""
+    previous = level.value
+    level.value = value
+    try:
+        yield
+    finally:
+        if keep_changed and level.value != value:
+            previous = level.value
+        level.value = previous
 
 
 def _library(name: str) -> ctypes.CDLL | None:

@@ -105,6 +105,8 @@ class AllocationTracker:
         self._state = AllocationState(self.device, frames_min_bytes, stack_depth, self.idle_entries)
         self._dispatch = DispatchBackend(self._state, on_oom=self._record_oom)
         self._reports = ReportsBackend(self._state)
+        # Stopped in this order: the dispatch mode first, then the last reports are read.
+        self._backends: tuple[TrackerBackend, ...] = (self._dispatch, self._reports)
 
     # ----------------------------------------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -118,7 +120,7 @@ class AllocationTracker:
                     raise RuntimeError(f"the allocator-reports backend cannot run: {unavailable}") from None
                 self.fallback_reason = str(unavailable)
             else:
-                self.backend = "reports"
+                self.backend = self._reports.name
                 # Inside a history window the dispatch mode only notes the stacks of operator outputs; an
                 # out-of-memory error is recorded by note_oom() once it has left the operator (reading the reports
                 # inside it would hand the operator's caller a warning of torch's about the session).
@@ -126,21 +128,22 @@ class AllocationTracker:
                 if self._state.capture_all_frames and self.window_stacks:
                     self._dispatch.start()
                 return
-        self.backend = "dispatch"
+        self.backend = self._dispatch.name
         self._dispatch.start()
 
     @property
     def active(self) -> bool:
-        return self._dispatch.active or self._reports.active
+        return any(backend.active for backend in self._backends)
 
     def stop(self) -> None:
         """Stop seeing new allocations; storages counted by weak reference keep being counted down as they are freed."""
-        self._dispatch.stop()
-        self._reports.stop()
+        for backend in self._backends:
+            backend.stop()
 
     def sync(self) -> None:
         """Take in the allocator's reports since the last call (backend "reports"; nothing to do otherwise)."""
-        self._reports.sync()
+        for backend in self._backends:
+            backend.sync()
 
     def __enter__(self) -> AllocationTracker:
         self.start()
