@@ -19,7 +19,8 @@ import torch
 from lightning_memtrace.frames import Frame, capture_frames
 from lightning_memtrace.types import Category
 
-#: Kinds of history events: ``(ALLOC, time_us, entry)``, ``(FREE, time_us, entry, metadata)``, ``(OOM, time_us, event)``.
+#: Kinds of history events: ``(ALLOC, time_us, entry)``, ``(FREE, time_us, entry, metadata)``,
+#: ``(OOM, time_us, event)``.
 ALLOC, FREE, OOM = 0, 1, 2
 #: Plain-str names of the category enums (so that snapshots pickle str, and label() skips Enum.__str__).
 _CATEGORY_NAMES: dict[Any, str] = {category: category.value for category in Category}
@@ -115,7 +116,7 @@ class AllocationState:
         self.defer_free: Callable[[LiveAllocation], None] | None = None
         self.events: deque[tuple] = deque(maxlen=history_size)
         self._on_freed = self._freed
-        self._device_type = device.type
+        self.device_type = device.type
         self._device_index = (device.index or 0) if device.type not in ("cpu", "meta") else None
         self._fake_addr = 1 << 44
 
@@ -143,7 +144,7 @@ class AllocationState:
         if key in self.live:
             return False
         device = storage.device
-        if device.type != self._device_type or (self._device_index is not None and device.index != self._device_index):
+        if device.type != self.device_type or (self._device_index is not None and device.index != self._device_index):
             return False
         nbytes = storage.nbytes()
         if nbytes == 0:

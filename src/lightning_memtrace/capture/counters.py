@@ -69,7 +69,9 @@ class AcceleratorCounters:
 
     def read(self) -> tuple[int, int, int]:
         allocated = int(self._accel.memory_allocated(self.device))
-        reserved = int(self._accel.memory_reserved(self.device)) if hasattr(self._accel, "memory_reserved") else allocated
+        reserved = allocated
+        if hasattr(self._accel, "memory_reserved"):
+            reserved = int(self._accel.memory_reserved(self.device))
         peak = allocated
         if hasattr(self._accel, "max_memory_allocated"):
             peak = max(peak, int(self._accel.max_memory_allocated(self.device)))

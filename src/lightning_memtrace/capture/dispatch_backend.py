@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from lightning_memtrace.capture import torch_private
@@ -89,7 +88,7 @@ class DispatchBackend:
         self._live_addrs = state.live_addrs
         self._count = state.count
         self._track_storage = state.track_storage
-        self._cpu_only = state._device_type == "cpu"
+        self._cpu_only = state.device_type == "cpu"
         self._frames_into: dict[int, list[Frame]] | None = None
         self._mode: _TrackerMode | None = None
 

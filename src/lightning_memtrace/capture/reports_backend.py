@@ -18,7 +18,6 @@ from __future__ import annotations
 import gc
 import operator
 import threading
-import time
 import warnings
 from collections import deque
 from typing import Any
@@ -216,8 +215,8 @@ class ReportsBackend:
         Raises:
             ReportsUnavailable: Reports cannot be read here (CPU only; the installed torch; another profiler).
         """
-        if self.state._device_type != "cpu":
-            raise ReportsUnavailable(f"allocator reports cover the CPU allocator only, not {self.state._device_type}")
+        if self.state.device_type != "cpu":
+            raise ReportsUnavailable(f"allocator reports cover the CPU allocator only, not {self.state.device_type}")
         reason = unavailable_reason()
         if reason is not None:
             raise ReportsUnavailable(reason)

@@ -172,7 +172,8 @@ class NativeLogging:
         self._kineto = kineto_severity
         self._c10 = c10_log_level
         self._report_cpu = report_cpu
-        #: Whether this process has spent the CPU allocator's first "unknown size" warning (it logs the 1st, 1001st, ...).
+        #: Whether this process has spent the CPU allocator's first "unknown size" warning (it logs the 1st, 1001st,
+        #: ... such free).
         self.unknown_free_warning_spent = False
 
     def kineto_silenced(self) -> contextlib.AbstractContextManager[None]:
