@@ -43,6 +43,10 @@ def test_reports_apply_counts_frees_reaches_a_mark_and_drops_a_stale_block():
         (A, 40, "after_forward"),
         (C, 10, "after_forward"),
     ]
+    # the row named A's block "parameters": the block the stale report replaced, freed at that report
+    [(_, stale_time, stale, _)] = [e for e in state.events if e[0] == FREE and e[2].addr == A]
+    assert (stale.nbytes, stale.category, stale_time) == (100, "parameters", 6_000)
+    assert not backend._marks
 
 
 def test_reports_apply_history_in_stream_order():
