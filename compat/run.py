@@ -178,7 +178,7 @@ def versions(venv: Path) -> tuple[str, str]:
     """The versions the venv really runs, and how MemTrace counts on CPU there (the private profiler entry points)."""
     code = (
         "import torch, lightning, transformers\n"
-        "from lightning_memtrace.allocator_reports import unavailable_reason\n"
+        "from lightning_memtrace.capture.reports_backend import unavailable_reason\n"
         "print(f'torch {torch.__version__} / lightning {lightning.__version__} / '\n"
         "      f'transformers {transformers.__version__}')\n"
         "print('allocator reports' if unavailable_reason() is None else f'dispatch mode: {unavailable_reason()}')\n"

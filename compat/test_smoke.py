@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from lightning_memtrace import MemTrace, load_phases
-from lightning_memtrace.allocator_reports import unavailable_reason
+from lightning_memtrace.capture.reports_backend import unavailable_reason
 from lm_helpers import MLP, TinyLM, trainer
 
 PHASES = ["batch_start", "after_forward", "after_backward", "after_optimizer_step", "batch_end"]

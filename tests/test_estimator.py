@@ -31,7 +31,7 @@ from lightning_memtrace.estimator import (
     find_max_batch,
 )
 from lightning_memtrace.models import TINY_QWEN2_CONFIG
-from lightning_memtrace.tracker import AllocationTracker
+from lightning_memtrace.capture.tracker import AllocationTracker
 from lightning_memtrace.types import Phase
 
 CONFIGS = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "configs"

@@ -15,8 +15,8 @@ _EXPORTS = {
     "MemoryRecorder": "lightning_memtrace.capture.recorder",
     "MemTraceWarning": "lightning_memtrace.capture.recorder",
     "RecorderConfig": "lightning_memtrace.capture.config",
-    "AllocationTracker": "lightning_memtrace.tracker",
-    "is_out_of_memory": "lightning_memtrace.tracker",
+    "AllocationTracker": "lightning_memtrace.capture.tracker",
+    "is_out_of_memory": "lightning_memtrace.capture.oom_errors",
     "load_phases": "lightning_memtrace.phases_csv",
     "Category": "lightning_memtrace.types",
     "Phase": "lightning_memtrace.types",
@@ -54,7 +54,8 @@ if TYPE_CHECKING:
     from lightning_memtrace.capture.recorder import MemoryRecorder, MemTraceWarning
     from lightning_memtrace.report import write_report
     from lightning_memtrace.snapshot_loader import SnapshotError, load_snapshot
-    from lightning_memtrace.tracker import AllocationTracker, is_out_of_memory
+    from lightning_memtrace.capture.oom_errors import is_out_of_memory
+    from lightning_memtrace.capture.tracker import AllocationTracker
     from lightning_memtrace.types import Category, Phase, PhaseRecord, Stage
 
 

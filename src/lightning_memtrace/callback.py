@@ -20,10 +20,10 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks.callback import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_memtrace.allocator_reports import track_every_cpu_block
+from lightning_memtrace.capture.reports_backend import track_every_cpu_block
 from lightning_memtrace.capture.config import AllocationBackend, RecorderConfig
 from lightning_memtrace.capture.recorder import MemoryRecorder
-from lightning_memtrace.tracker import is_out_of_memory
+from lightning_memtrace.capture.oom_errors import is_out_of_memory
 from lightning_memtrace.trainer import extras, ranks
 from lightning_memtrace.types import PhaseRecord
 from lightning_memtrace.trainer.cadence import (

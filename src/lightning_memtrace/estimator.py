@@ -6,7 +6,7 @@ memory), builds its optimizer on the fake parameters and runs a few training ste
     batch_start -> forward -> zero_grad (set_to_none) -> backward -> optimizer step -> batch_end
 
 with the same :class:`~lightning_memtrace.capture.recorder.MemoryRecorder` and
-:class:`~lightning_memtrace.tracker.AllocationTracker` that the :class:`~lightning_memtrace.MemTrace` callback uses on a
+:class:`~lightning_memtrace.capture.tracker.AllocationTracker` that the :class:`~lightning_memtrace.MemTrace` callback uses on a
 real run. So the estimate is a measurement of the real code path (the model's own forward, autograd's saved tensors,
 the optimizer's own update), not a formula, and its rows have the same phases, categories and ``peak_bytes``
 semantics as the callback's CSV.
@@ -42,7 +42,7 @@ from lightning_memtrace.capture.categories import CategoryCounter, StorageMap
 from lightning_memtrace.capture.config import RecorderConfig
 from lightning_memtrace.capture.recorder import MemoryRecorder, RecorderParts
 from lightning_memtrace.capture.storages import unique_storages
-from lightning_memtrace.tracker import AllocationTracker
+from lightning_memtrace.capture.tracker import AllocationTracker
 from lightning_memtrace.types import MEASURED_CATEGORIES, Category, Phase, PhaseRecord
 from lightning_memtrace.units import format_bytes
 

@@ -14,8 +14,8 @@ from typing import Any, NamedTuple
 import torch
 
 from lightning_memtrace.capture.categories import CategoryCounter, SavedTensorsRecorder, input_storages
-from lightning_memtrace.counters import MemoryCounters
-from lightning_memtrace.tracker import AllocationTracker, RowMark
+from lightning_memtrace.capture.counters import MemoryCounters
+from lightning_memtrace.capture.tracker import AllocationTracker, RowMark
 from lightning_memtrace.types import Category, Phase, PhaseRecord
 
 _CATEGORY_NAMES = {category: category.value for category in Category}

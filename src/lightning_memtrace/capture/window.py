@@ -10,12 +10,12 @@ from typing import Any
 
 import torch
 
-from lightning_memtrace import cuda_history
+from lightning_memtrace.capture import cuda_history
 from lightning_memtrace.capture.categories import CategoryCounter
 from lightning_memtrace.capture.config import RecorderConfig
 from lightning_memtrace.capture.outputs import RecorderFiles
 from lightning_memtrace.capture.rows import Classified
-from lightning_memtrace.tracker import AllocationTracker
+from lightning_memtrace.capture.tracker import AllocationTracker
 
 SNAPSHOT_FORMAT = 1
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from lightning_memtrace.tracker import AllocationTracker
+if TYPE_CHECKING:
+    from lightning_memtrace.capture.tracker import AllocationTracker
 
 
 class MemoryCounters(Protocol):
@@ -68,7 +69,9 @@ class AcceleratorCounters:
 
     def read(self) -> tuple[int, int, int]:
         allocated = int(self._accel.memory_allocated(self.device))
-        reserved = int(self._accel.memory_reserved(self.device)) if hasattr(self._accel, "memory_reserved") else allocated
+        reserved = allocated
+        if hasattr(self._accel, "memory_reserved"):
+            reserved = int(self._accel.memory_reserved(self.device))
         peak = allocated
         if hasattr(self._accel, "max_memory_allocated"):
             peak = max(peak, int(self._accel.max_memory_allocated(self.device)))
@@ -126,6 +129,6 @@ def allocator_counters(device: torch.device) -> MemoryCounters | None:
             counters = AcceleratorCounters(device)
             counters.read()
             return counters
-        except Exception:
+        except Exception:  # a backend whose counters cannot be read here: the tracker counts instead
             return None
     return None

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from lightning_memtrace import cuda_history
-from lightning_memtrace.counters import CudaCounters, allocator_counters
+from lightning_memtrace.capture import cuda_history
+from lightning_memtrace.capture.counters import CudaCounters, allocator_counters
 
 
 def test_cuda_counters_read_and_reset_peak(monkeypatch):

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from lightning_memtrace import MemoryRecorder, MemTrace, load_phases
-from lightning_memtrace.allocator_reports import AllocatorReports, SessionLost, another_profiler_active
+from lightning_memtrace.capture.reports_backend import AllocatorReports, SessionLost
+from lightning_memtrace.capture.torch_private import another_profiler_active
 from lightning_memtrace.capture.storages import unique_storage_bytes
-from lightning_memtrace.tracker import AllocationTracker
+from lightning_memtrace.capture.tracker import AllocationTracker
 from lm_helpers import MLP, trainer
 
 
@@ -128,7 +129,7 @@ print("backend", callback.tracker_backend)
 def test_no_cpp_warning_about_blocks_made_before_profiling(tmp_path):
     # A fresh process: the allocator logs that line on the first such free of the process (and every 1000th).
     done = subprocess.run(
-        [sys.executable, "-c", _RUN_FREEING_OLD_BLOCKS, str(Path(__file__).parent), str(tmp_path)],
+        [sys.executable, "-c", _RUN_FREEING_OLD_BLOCKS, str(Path(__file__).parents[1]), str(tmp_path)],
         capture_output=True, text=True, timeout=300,
     )
     assert done.returncode == 0, done.stderr[-2000:]
@@ -148,11 +149,11 @@ def test_drain_after_a_session_was_taken_raises_session_lost():
 
 
 def test_a_torch_without_the_log_levels_falls_back_to_the_dispatch_mode_with_one_warning(tmp_path, monkeypatch):
-    from lightning_memtrace import allocator_reports
+    from lightning_memtrace.capture import reports_backend, torch_private
     from lightning_memtrace.capture.recorder import MemTraceWarning
 
-    monkeypatch.setattr(allocator_reports, "_native_logging", lambda: None)
-    assert "log levels" in allocator_reports.unavailable_reason()
+    monkeypatch.setattr(torch_private, "native_logging", lambda: None)
+    assert "log levels" in reports_backend.unavailable_reason()
     callback = MemTrace(dirpath=tmp_path / "mt")
     module = MLP()
     with warnings.catch_warnings(record=True) as caught:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_memtrace.tracker import AllocationTracker, is_out_of_memory, requested_bytes_from_message
+from lightning_memtrace.capture.oom_errors import is_out_of_memory, requested_bytes_from_message
+from lightning_memtrace.capture.tracker import AllocationTracker
 
 
 def test_counts_new_storages_exactly_and_frees():

@@ -1,0 +1,187 @@
+"""The dispatch-mode backend: a ``TorchDispatchMode`` sees every storage an operator makes (any device).
+
+Each new storage is counted in the shared :class:`~lightning_memtrace.capture.allocation_state.AllocationState` with a
+weak reference that counts it down when it is freed. Under the reports backend the same mode runs only inside a
+history window, and only notes the Python stack of each operator's output for its allocation report.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import Tensor
+
+from lightning_memtrace.capture import torch_private
+from lightning_memtrace.capture.allocation_state import AllocationState
+from lightning_memtrace.capture.oom_errors import is_out_of_memory
+from lightning_memtrace.frames import Frame, capture_frames
+
+_RESIZING_OPS = frozenset({"resize_", "resize_as_", "set_", "resize_storage_bytes_"})
+#: How to call an operator, which of its outputs are new storages, and whether it resizes one of its arguments.
+OperatorPlan = tuple[Callable[..., Any], tuple[int, ...], bool]
+
+
+def _dispatch(mode: _TrackerMode, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    # Every operator on the device comes through here, so the common path (a known operator with one or no new
+    # output) is kept to a few attribute reads: the plan is cached by the operator's id (OpOverload's own __hash__ is
+    # Python code) and the operator is called through its C++ overload, without OpOverload.__call__'s extra frame.
+    backend = mode.backend
+    plan = backend._plans.get(id(func))
+    if plan is None:
+        plan = backend._plan(func)
+    call, fresh, resizing = plan
+    try:
+        out = call(*args, **kwargs) if kwargs else call(*args)
+    except RuntimeError as error:
+        if backend.on_oom is not None and is_out_of_memory(error):
+            backend.on_oom(error)
+        raise
+    if fresh:
+        if isinstance(out, Tensor):
+            backend._track_output(out)
+        elif isinstance(out, (list, tuple)):
+            if len(fresh) == 1 and isinstance(out, list):
+                backend._seen(out)
+            else:
+                for index in fresh:
+                    backend._seen(out[index])
+    if resizing:
+        backend._refresh_sizes(args)
+    return out
+
+
+_DISPATCH_SKIPS_DYNAMO = torch_private.skip_dynamo_for(_dispatch.__code__)
+
+
+class _TrackerMode(torch_private.TorchDispatchMode):
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # Only fall back to torch's per-call dynamo-disable wrapper where the frame strategy could not be set.
+        return not _DISPATCH_SKIPS_DYNAMO
+
+    def __init__(self, backend: DispatchBackend) -> None:
+        super().__init__()
+        self.backend = backend
+
+    __torch_dispatch__ = _dispatch
+
+
+class DispatchBackend:
+    """Counts the storages operators make, by a dispatch mode entered on :meth:`start` (the thread's mode stack).
+
+    Args:
+        state: Where the storages are counted.
+        on_oom: Called with an out-of-memory error an operator raised (before it propagates), if given.
+    """
+
+    name = "dispatch"
+
+    def __init__(self, state: AllocationState, on_oom: Callable[[BaseException], None] | None) -> None:
+        self.state = state
+        self.on_oom = on_oom
+        self._plans: dict[int, OperatorPlan] = {}
+        # The plans are keyed by id(): the operators are kept alive so that an id is never reused for another object.
+        self._planned_ops: list[Any] = []
+        # The state's tables and methods, bound once: the per-operator path reads them as attributes of this object.
+        self._live = state.live
+        self._live_addrs = state.live_addrs
+        self._count = state.count
+        self._track_storage = state.track_storage
+        self._cpu_only = state.device_type == "cpu"
+        self._frames_into: dict[int, list[Frame]] | None = None
+        self._mode: _TrackerMode | None = None
+
+    def note_frames_into(self, pending: dict[int, list[Frame]]) -> None:
+        """Count nothing from now on: note the Python stack of each new output in ``pending``, by address (for the
+        allocator's report of it); out-of-memory errors are left to the caller (``on_oom`` is dropped)."""
+        self._frames_into = pending
+        self._track_output = self._note_frames  # type: ignore[method-assign]
+        self.on_oom = None
+
+    # ----------------------------------------------------------------------------------------------- lifecycle
+    @property
+    def active(self) -> bool:
+        return self._mode is not None
+
+    def start(self) -> None:
+        if self._mode is None:
+            self._mode = _TrackerMode(self)
+            self._mode.__enter__()
+
+    def stop(self) -> None:
+        mode, self._mode = self._mode, None
+        if mode is not None:
+            mode.__exit__(None, None, None)
+
+    def sync(self) -> None:
+        """Nothing to take in: every storage is counted as its operator returns."""
+
+    # ----------------------------------------------------------------------------------------------- per operator
+    def _plan(self, func: Any) -> OperatorPlan:
+        plan = (
+            torch_private.operator_call(func),
+            torch_private.unaliased_outputs(func),
+            torch_private.operator_name(func) in _RESIZING_OPS,
+        )
+        self._plans[id(func)] = plan
+        self._planned_ops.append(func)
+        return plan
+
+    def _seen(self, out: Any) -> None:
+        if isinstance(out, Tensor):
+            self._track_output(out)
+        elif isinstance(out, (list, tuple)):
+            for item in out:
+                if isinstance(item, Tensor):
+                    self._track_output(item)
+
+    def _track_output(self, tensor: Tensor) -> None:
+        """Count the storage of an operator's output: ``AllocationState.track_storage`` without its rare cases.
+
+        A CPU storage an operator has just made has its own address and is not counted yet (unless the operator
+        returned an existing one), so only the size check remains on this path.
+        """
+        if not self._cpu_only:
+            # Meta storages have no address and other devices are rare here: the general path.
+            self._track_storage(tensor.untyped_storage(), skip=3)
+            return
+        if not tensor.is_cpu:
+            return
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        if key in self._live:
+            return
+        nbytes = storage.nbytes()
+        if not nbytes:
+            return
+        addr = storage.data_ptr()
+        if not addr or addr in self._live_addrs:
+            self._track_storage(storage, skip=3)
+            return
+        self._count(storage, key, nbytes, addr, skip=4, adopted=False)
+
+    def _note_frames(self, tensor: Tensor) -> None:
+        if not tensor.is_cpu:
+            return
+        storage = tensor.untyped_storage()
+        if storage.nbytes():
+            self._frames_into[storage.data_ptr()] = capture_frames(skip=3, depth=self.state.stack_depth)  # type: ignore[index]
+
+    def _refresh_sizes(self, args: tuple) -> None:
+        if self._frames_into is not None:
+            return  # the allocator reports a resize as a free and an allocation
+        live = self._live
+        for arg in args:
+            if not isinstance(arg, Tensor):
+                continue
+            storage = arg.untyped_storage()
+            key = storage._cdata
+            entry = live.get(key)
+            if entry is None:
+                self._track_storage(storage)
+                continue
+            if storage.nbytes() != entry.nbytes or storage.data_ptr() != entry.addr:
+                # Resized in place: account for it as a free of the old block and an alloc of the new one.
+                self.state.forget(key, entry)
+                self._track_storage(storage)

@@ -1,0 +1,33 @@
+"""Out-of-memory errors: recognizing one, and reading the size the failed allocation asked for from its message."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+_CPU_OOM_PATTERN = re.compile(r"tried to allocate (\d+) bytes")
+_CUDA_OOM_PATTERN = re.compile(r"Tried to allocate ([\d.]+) (B|KiB|MiB|GiB|TiB)")
+_UNIT_FACTORS = {"B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3, "TiB": 1024**4}
+
+
+def is_out_of_memory(exception: BaseException) -> bool:
+    """True for a CUDA ``OutOfMemoryError`` and for the CPU allocator's "can't allocate memory" ``RuntimeError``."""
+    oom_type = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", None)
+    if oom_type is not None and isinstance(exception, oom_type):
+        return True
+    if isinstance(exception, (RuntimeError, MemoryError)):
+        message = str(exception)
+        return "can't allocate memory" in message or "out of memory" in message.lower()
+    return False
+
+
+def requested_bytes_from_message(message: str) -> int | None:
+    """The size the failed allocation asked for, as stated in the allocator's error message."""
+    found = _CPU_OOM_PATTERN.search(message)
+    if found:
+        return int(found.group(1))
+    found = _CUDA_OOM_PATTERN.search(message)
+    if found:
+        return int(float(found.group(1)) * _UNIT_FACTORS[found.group(2)])
+    return None

@@ -1,0 +1,386 @@
+"""The allocator-reports backend: the CPU allocator's own reports, read through a profiler session that records nothing
+else (CPU only; no Python work per operator; it also counts the temporaries inside operators).
+
+PyTorch's CPU allocator reports every allocation and free (address, size) to the profiler of the calling thread when
+that profiler profiles memory. A session with no operator scopes, no shapes and no stacks records only those reports,
+in C++, at no Python cost per operator; :class:`AllocatorReports` reads them at each measurement by closing the
+session and opening the next one at once (under a paused garbage collector, so nothing is freed in between).
+
+The session belongs to the thread that opened it and is given up to any profiler the user starts: a
+``torch.profiler.profile`` opened later takes the thread over, which :meth:`AllocatorReports.drain` notices.
+
+:class:`ReportsBackend` applies the reports to the tracker's counting state, and keeps the *marks*: tiny blocks put
+into the report stream where a row was taken, so that the row reads the bytes of that point of the stream later.
+"""
+
+from __future__ import annotations
+
+import gc
+import operator
+import threading
+import warnings
+from collections import deque
+from typing import Any
+
+import torch
+
+from lightning_memtrace.capture import torch_private
+from lightning_memtrace.capture.allocation_state import ALLOC, FREE, AllocationState, LiveAllocation, RowMark
+from lightning_memtrace.frames import Frame
+
+#: (time in Unix nanoseconds, address, signed size: positive for an allocation, negative for a free)
+AllocatorEvent = tuple[int, int, int]
+_EXTRA_FIELDS = operator.attrgetter("extra_fields")
+_START_NS = operator.attrgetter("start_time_ns")
+_PTR = operator.attrgetter("ptr")
+_SIZE = operator.attrgetter("alloc_size")
+#: Size of the block that puts a mark into the CPU allocator's report stream (a row, a free seen by weak reference).
+#: Odd, so that no tensor's block is this size; the block is freed at once, and neither report is counted.
+MARK_BYTES = 4093
+
+
+class SessionLost(RuntimeError):
+    """Another profiler took the thread's profiling session over: the reports since the last drain are lost."""
+
+
+class ReportsUnavailable(RuntimeError):
+    """Allocator reports cannot be read here (the message says why)."""
+
+
+def track_every_cpu_block() -> None:
+    """Note every CPU block's size from now on (see :meth:`NativeLogging.track_every_cpu_block`), where possible.
+
+    Called as early as MemTrace is made, so that blocks of the model and data made afterwards are known to a later
+    session.
+    """
+    native = torch_private.native_logging()
+    if native is not None:
+        native.track_every_cpu_block()
+
+
+def unavailable_reason() -> str | None:
+    """Why allocator reports cannot be read here, or None when they can."""
+    if torch_private.profiler_api() is None:
+        return "this torch has no profiler API for allocator reports"
+    if torch_private.native_logging() is None:
+        return "this torch does not export the C++ log levels that keep a reports session off the console"
+    if torch_private.another_profiler_active():
+        return "another profiler is recording on this thread"
+    return None
+
+
+def _accelerator_in_use() -> bool:
+    """Whether this process has started an accelerator's allocator (whose reports a CPU session would also get)."""
+    if torch.cuda.is_initialized():
+        return True
+    for name in ("xpu", "mps", "mtia"):
+        module = getattr(torch, name, None)
+        is_initialized = getattr(module, "is_initialized", None)
+        if is_initialized is None:
+            if name == "mps" and module is not None and torch.backends.mps.is_available():
+                return True
+            continue
+        try:
+            if is_initialized():
+                return True
+        except Exception:  # a backend that cannot answer: check each report's device
+            return True
+    return False
+
+
+class AllocatorReports:
+    """One thread's CPU allocator reports, read in order.
+
+    Call :meth:`start`, then :meth:`drain` whenever the reports so far are wanted, and :meth:`stop` at the end.
+    """
+
+    def __init__(self) -> None:
+        native = torch_private.native_logging()
+        if torch_private.profiler_api() is None or native is None:
+            raise ReportsUnavailable(unavailable_reason() or "allocator reports are unavailable")
+        self._session = torch_private.MemoryOnlySession()
+        self._native = native
+        self.active = False
+
+    def start(self) -> None:
+        if self.active:
+            return
+        reason = unavailable_reason()
+        if reason is not None:
+            raise ReportsUnavailable(reason)
+        # Training frees blocks made before MemTrace started as a matter of course, and the allocator warns on the
+        # first such free (see NativeLogging.track_every_cpu_block, which spends that warning where it can).
+        native = self._native
+        native.track_every_cpu_block()
+        self._open()
+        self.active = True
+        native.spend_unknown_free_warning()
+
+    def _open(self) -> None:
+        # Two silenced calls: kineto's first use in the process sets its own level inside the first one.
+        with self._native.kineto_silenced():
+            self._session.prepare()
+        with self._native.kineto_silenced():
+            self._session.enable()
+
+    def owned(self) -> bool:
+        """The thread's profiling session is still this one (no user profiler took over)."""
+        return not torch_private.user_profiler_enabled() and self._session.enabled()
+
+    def drain(self, reopen: bool = True) -> list[AllocatorEvent]:
+        """The reports since the last drain, oldest first; the session goes on unless ``reopen`` is False.
+
+        Raises:
+            SessionLost: Another profiler took the session over (it is then no longer active here).
+        """
+        if not self.active:
+            return []
+        if not self.owned():
+            self.active = False
+            raise SessionLost("another profiler took over the profiling session")
+        collecting = gc.isenabled()
+        if collecting:
+            gc.disable()
+        try:
+            with self._native.kineto_silenced(), self._native.c10_silenced(), warnings.catch_warnings():
+                # An out-of-memory report has no kineto event to pair with (the session traces no CPU operators):
+                # torch warns about exactly that, in C++ or as a Python warning.
+                warnings.filterwarnings("ignore", message="Failed to recover relationship between all profiler")
+                result = self._session.disable()
+            if reopen:
+                self._open()
+            else:
+                self.active = False
+        finally:
+            if collecting:
+                gc.enable()
+        return self._events(result)
+
+    def _events(self, result: Any) -> list[AllocatorEvent]:
+        allocation_type = self._session.allocation_type
+        tree = result.experimental_event_tree()
+        # Reading a field of an event costs a C++ call each: map them at C speed, a field at a time.
+        fields = list(map(_EXTRA_FIELDS, tree))
+        if not all(type(f) is allocation_type for f in fields) or _accelerator_in_use():
+            # Other events (a record_function range) or other allocators' reports: keep the CPU allocations only.
+            check_device = _accelerator_in_use()
+            kept = [
+                (event, f)
+                for event, f in zip(tree, fields)
+                if type(f) is allocation_type and (not check_device or f.device.type == "cpu")
+            ]
+            tree, fields = [event for event, _ in kept], [f for _, f in kept]
+        out = list(zip(map(_START_NS, tree), map(_PTR, fields), map(_SIZE, fields)))
+        if any(out[i][0] > out[i + 1][0] for i in range(len(out) - 1)):
+            out.sort(key=lambda e: e[0])
+        return out
+
+    def stop(self) -> list[AllocatorEvent]:
+        """The last reports; closes the session (if it is still this one)."""
+        try:
+            return self.drain(reopen=False)
+        except SessionLost:
+            return []
+
+
+class ReportsBackend:
+    """Counts the blocks the CPU allocator reports, in the shared state, whenever :meth:`sync` takes the reports in.
+
+    Rows are *deferred* outside a history window: :meth:`mark` puts a mark into the report stream and the row is read
+    where :meth:`sync` reaches it, so that the training thread pays for no read between the reads it asks for.
+    """
+
+    name = "reports"
+
+    def __init__(self, state: AllocationState) -> None:
+        self.state = state
+        #: The open session, from a successful :meth:`start` to :meth:`stop` (lost or not).
+        self.session: AllocatorReports | None = None
+        #: Set when another profiler took the session over (allocated/peak missed what happened meanwhile).
+        self.session_lost = False
+        #: Python stacks of operator outputs by address, noted by the dispatch mode inside a history window.
+        self.pending_frames: dict[int, list[Frame]] = {}
+        # Marks put into the report stream and not reached yet: (address of the mark's block or None, mark).
+        self._marks: deque[tuple[int | None, RowMark | LiveAllocation]] = deque()
+        self._thread = threading.get_ident()
+
+    # ----------------------------------------------------------------------------------------------- lifecycle
+    @property
+    def active(self) -> bool:
+        return self.session is not None and self.session.active
+
+    def start(self) -> None:
+        """Open the session on this thread.
+
+        Raises:
+            ReportsUnavailable: Reports cannot be read here (CPU only; the installed torch; another profiler).
+        """
+        if self.state.device_type != "cpu":
+            raise ReportsUnavailable(f"allocator reports cover the CPU allocator only, not {self.state.device_type}")
+        reason = unavailable_reason()
+        if reason is not None:
+            raise ReportsUnavailable(reason)
+        try:
+            session = AllocatorReports()
+            session.start()
+        except Exception as error:
+            raise ReportsUnavailable(f"could not open a profiler session ({error})") from error
+        self.session = session
+        self.state.defer_free = self.mark
+
+    def stop(self) -> None:
+        """Take the last reports in and close the session; every mark not reached yet is reached now."""
+        session, self.session = self.session, None
+        self.state.defer_free = None
+        if session is not None:
+            self.apply(session.stop())
+        self._reach_marks(len(self._marks))
+
+    def sync(self) -> None:
+        """Take in the allocator's reports since the last call (and reach the marks among them)."""
+        session = self.session
+        if session is None:
+            return
+        try:
+            events = session.drain()
+        except SessionLost:
+            # A user's profiler took the thread over: reports were lost meanwhile; resume once it is gone.
+            self.session_lost = True
+            events = []
+        except Exception:  # the session broke in C++: counters stand as they are; the recorder warns (session_lost)
+            self.session_lost = True
+            return
+        if not session.active and not torch_private.another_profiler_active():
+            try:
+                session.start()
+            except Exception:  # still not ours to open: try again at the next read
+                pass
+        self.apply(events)
+        self._reach_marks(len(self._marks))
+
+    # ----------------------------------------------------------------------------------------------- marks
+    def mark(self, mark: RowMark | LiveAllocation) -> None:
+        """Put ``mark`` into the allocator's report stream here: it takes effect when :meth:`sync` reaches it.
+
+        A :class:`RowMark` starts its stage and reads its row; a :class:`LiveAllocation` (a storage counted by weak
+        reference) is freed. The mark is a block of :data:`MARK_BYTES` allocated and freed at once on this thread; a
+        mark made on another thread reaches no report stream and takes effect with the next mark after it.
+        """
+        if threading.get_ident() != self._thread:
+            self._marks.append((None, mark))
+            return
+        block = torch.UntypedStorage(MARK_BYTES, device="cpu")
+        self._marks.append((block.data_ptr(), mark))
+        del block
+
+    def _reach_marks(self, count: int) -> None:
+        """Apply the first ``count`` marks, oldest first, at the current point of the stream."""
+        marks = self._marks
+        for _ in range(count):
+            mark = marks.popleft()[1]
+            if type(mark) is RowMark:
+                self._reach_row(mark)
+            else:
+                self.state.count_down(mark)
+
+    def _reach_row(self, row: RowMark) -> None:
+        state = self.state
+        state.stream_stage, state.stream_metadata = row.stage, row.metadata
+        blocks, live, live_addrs = state.blocks, state.live, state.live_addrs
+        for ref, _category in row.foreign:
+            storage = ref()
+            if storage is not None and storage.data_ptr() not in blocks:
+                state.track_storage(storage, adopted=True)
+        for addr, category in row.labels:
+            entry = blocks.get(addr)
+            if entry is None:
+                key = live_addrs.get(addr)
+                entry = live.get(key) if key is not None else None
+            if entry is not None:
+                entry.category = category
+        row.allocated = allocated = state.allocated
+        row.peak = max(state.peak, allocated)
+        state.reset_peak()
+
+    def _reached_mark(self, events: list[AllocatorEvent], index: int, allocated: int, peak: int) -> bool:
+        """Whether the block reported at ``events[index]`` is a mark's (allocated and freed at once, and queued): its
+        marks (and those before it that never reached the stream, made on another thread) are reached then, at
+        ``allocated`` and ``peak`` bytes."""
+        addr = events[index][1]
+        if not self._marks or index + 1 >= len(events) or events[index + 1][1:] != (addr, -MARK_BYTES):
+            return False
+        for position, (mark_addr, _) in enumerate(self._marks):
+            if mark_addr == addr:
+                self.state.allocated, self.state.peak = allocated, peak
+                self._reach_marks(position + 1)
+                return True
+        return False
+
+    # ----------------------------------------------------------------------------------------------- reports
+    def apply(self, events: list[AllocatorEvent]) -> None:
+        """Count the reported allocations and frees, oldest first, and reach the marks among them.
+
+        Runs for every allocation of the training process: the loop keeps to locals (no call per report).
+        """
+        state = self.state
+        blocks, live_addrs, history = state.blocks, state.live_addrs, state.events
+        metadata, stage = state.stream_metadata, state.stream_stage
+        with_frames = state.capture_all_frames
+        fresh: list[LiveAllocation] = []
+        allocated, peak = state.allocated, state.peak
+        mark_free: int | None = None
+        for index, (time_ns, addr, size) in enumerate(events):
+            if size == MARK_BYTES and self._reached_mark(events, index, allocated, peak):
+                allocated, peak = state.allocated, state.peak
+                metadata, stage = state.stream_metadata, state.stream_stage
+                mark_free = addr
+                continue
+            if mark_free == addr and size == -MARK_BYTES:
+                mark_free = None
+                continue
+            now = time_ns // 1000
+            if size > 0:
+                stale = blocks.pop(addr, None)
+                if stale is not None:
+                    # Its free happened where no report reached us (another thread, a lost session): the address
+                    # being handed out again proves it.
+                    allocated -= stale.nbytes
+                    history.append((FREE, now, stale, metadata))
+                if addr in live_addrs:
+                    # Already counted: a storage adopted by weak reference before this report was read.
+                    continue
+                entry = LiveAllocation(size, addr, now, None, metadata, stage)
+                if with_frames:
+                    fresh.append(entry)
+                blocks[addr] = entry
+                allocated += size
+                if allocated > peak:
+                    peak = allocated
+                history.append((ALLOC, now, entry))
+            else:
+                entry = blocks.pop(addr, None)
+                if entry is not None:
+                    allocated -= entry.nbytes
+                    history.append((FREE, now, entry, metadata))
+        state.allocated, state.peak = allocated, peak
+        if fresh:
+            self._give_frames(fresh)
+        self.pending_frames.clear()
+
+    def _give_frames(self, fresh: list[LiveAllocation]) -> None:
+        """Give each new block the stack noted for it; a block no operator returned (a temporary inside one) gets
+        the nearest output's stack: the previous one's, else the next one's."""
+        pending = self.pending_frames
+        last_frames: list[Frame] | None = None
+        orphans: list[LiveAllocation] = []
+        for entry in fresh:
+            frames = pending.pop(entry.addr, None)
+            if frames is None:
+                entry.frames = last_frames
+                if last_frames is None:
+                    orphans.append(entry)
+            else:
+                entry.frames = last_frames = frames
+                for orphan in orphans:
+                    orphan.frames = frames
+                orphans.clear()

@@ -1,0 +1,117 @@
+"""The tracker's state in the dict format of ``torch.cuda.memory._snapshot()`` (what memory_viz and our readers open).
+
+``segments`` hold one segment per live storage (the CPU allocator has no caching, so reserved equals allocated);
+``device_traces[device_index]`` holds the history's events since a time. Allocations and blocks carry ``category`` and
+``user_metadata`` (the phase and step they were made in).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from lightning_memtrace.capture.allocation_state import ALLOC, FREE, LiveAllocation, OutOfMemoryEvent
+
+#: The category of an allocation that is none of parameters, gradients, optimizer state, inputs or activations.
+UNKNOWN_CATEGORY = "unknown"
+
+
+def build_snapshot(
+    entries: Iterable[LiveAllocation], events: Iterable[tuple], since_us: int, device_index: int, metadata: str
+) -> dict[str, Any]:
+    """The snapshot dict of the live ``entries`` and the history ``events`` since ``since_us`` (Unix microseconds).
+
+    ``metadata`` is the tag of the stage now (the trace's closing marker event carries it).
+    """
+    segments = [_segment(entry, device_index) for entry in sorted(entries, key=lambda e: e.addr)]
+    trace = _trace(events, since_us)
+    if trace:
+        # MemoryViz.js colours allocations by `category` and then appends "unknown" to its category list with a
+        # typo (`snapshot.categores`) that throws unless "unknown" is already listed: make sure it is, with a
+        # `snapshot` marker event, which every reader treats as a no-op.
+        trace.append(
+            {
+                "action": "snapshot",
+                "addr": 0,
+                "size": 0,
+                "stream": 0,
+                "time_us": time.time_ns() // 1000,
+                "user_metadata": metadata,
+                "category": UNKNOWN_CATEGORY,
+                "frames": [],
+            }
+        )
+    device_traces: list[list[dict[str, Any]]] = [[] for _ in range(device_index + 1)]
+    device_traces[device_index] = trace
+    return {"segments": segments, "device_traces": device_traces, "allocator_settings": {}}
+
+
+def _segment(entry: LiveAllocation, device_index: int) -> dict[str, Any]:
+    block = {
+        "address": entry.addr,
+        "size": entry.nbytes,
+        "requested_size": entry.nbytes,
+        "state": "active_allocated",
+        "frames": entry.frames or [],
+        "category": entry.category or UNKNOWN_CATEGORY,
+        "user_metadata": entry.metadata,
+    }
+    return {
+        "device": device_index,
+        "address": entry.addr,
+        "total_size": entry.nbytes,
+        "allocated_size": entry.nbytes,
+        "active_size": entry.nbytes,
+        "requested_size": entry.nbytes,
+        "stream": 0,
+        "segment_type": "large" if entry.nbytes > 1024**2 else "small",
+        "segment_pool_id": (0, 0),
+        "is_expandable": False,
+        "frames": [],
+        "blocks": [block],
+    }
+
+
+def _trace(events: Iterable[tuple], since_us: int) -> list[dict[str, Any]]:
+    trace: list[dict[str, Any]] = []
+    for event in events:
+        if event[1] < since_us:
+            continue
+        kind = event[0]
+        if kind == ALLOC:
+            entry = event[2]
+            trace.append(_trace_entry("alloc", entry, event[1], entry.frames or [], entry.metadata))
+        elif kind == FREE:
+            entry = event[2]
+            trace.append(_trace_entry("free_requested", entry, event[1], [], event[3]))
+            trace.append(_trace_entry("free_completed", entry, event[1], [], event[3]))
+        else:
+            trace.append(_oom_entry(event[2]))
+    return trace
+
+
+def _trace_entry(action: str, entry: LiveAllocation, time_us: int, frames: list, metadata: str) -> dict[str, Any]:
+    return {
+        "action": action,
+        "addr": entry.addr,
+        "size": entry.nbytes,
+        "stream": 0,
+        "time_us": time_us,
+        "user_metadata": metadata,
+        "category": entry.category or UNKNOWN_CATEGORY,
+        "frames": frames,
+    }
+
+
+def _oom_entry(oom: OutOfMemoryEvent) -> dict[str, Any]:
+    return {
+        "action": "oom",
+        "addr": 0,
+        "size": oom.requested_bytes or 0,
+        "stream": 0,
+        "time_us": oom.time_us,
+        "device_free": 0,
+        "user_metadata": oom.metadata,
+        "frames": oom.frames,
+    }

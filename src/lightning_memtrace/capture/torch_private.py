@@ -1,0 +1,321 @@
+"""Every private torch entry point the capture package uses, each behind its availability check or version guard.
+
+Private names change between torch releases without notice: each one is looked up here, at call time where tests or a
+newer torch may replace it, and the callers get a plain function (or None where the installed torch lacks it) so that
+they can keep their fallback: allocator reports → the dispatch mode, CUDA history → no snapshot, and so on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import inspect
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["TorchDispatchMode"]  # the dispatch backend's base class (torch.utils._python_dispatch)
+
+
+# ----------------------------------------------------------------------------------------------- dispatch mode
+def skip_dynamo_for(code: Any) -> bool:
+    """Tell dynamo never to compile ``code`` nor anything it calls, without a per-call wrapper.
+
+    ``torch._disable_dynamo`` (what TorchDispatchMode wraps handlers in) costs several microseconds on every operator;
+    a frame strategy set once on the code object costs nothing per call. False where this torch has no such strategy.
+    """
+    try:
+        from torch._C._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+
+        set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+        return True
+    except Exception:  # any torch without the API (ImportError, AttributeError, TypeError): the per-call wrapper
+        return False
+
+
+def operator_call(func: Any) -> Callable[..., Any]:
+    """The operator's C++ overload (``OpOverload._op``), callable without ``OpOverload.__call__``'s extra frame."""
+    call = getattr(func, "_op", None)
+    return call if callable(call) else func
+
+
+def unaliased_outputs(func: Any) -> tuple[int, ...]:
+    """Indices of the operator's outputs that alias no input in its schema (new storages); (0,) when unknown."""
+    try:
+        return tuple(i for i, ret in enumerate(func._schema.returns) if ret.alias_info is None)
+    except Exception:  # not an OpOverload (a Python op, a HOP): assume its first output is new
+        return (0,)
+
+
+def operator_name(func: Any) -> str | None:
+    try:
+        return func.overloadpacket.__name__
+    except Exception:  # no overload packet: not one of the resizing aten ops
+        return None
+
+
+# ----------------------------------------------------------------------------------------------- profiler session
+@functools.cache
+def profiler_api() -> tuple[Any, Any] | None:
+    """``(torch._C._autograd, torch._C._profiler)`` where they have everything a reports session calls, else None."""
+    try:
+        from torch._C import _autograd as autograd_api
+        from torch._C import _profiler as profiler_api
+    except ImportError:
+        return None
+    needed = {
+        autograd_api: ("_prepare_profiler", "_enable_profiler", "_disable_profiler", "_profiler_enabled"),
+        profiler_api: (
+            "ProfilerConfig", "ProfilerState", "ProfilerActivity", "RecordScope", "_ExperimentalConfig",
+            "_ExtraFields_Allocation",
+        ),
+    }
+    if all(hasattr(module, name) for module, names in needed.items() for name in names):
+        return autograd_api, profiler_api
+    return None
+
+
+def user_profiler_enabled() -> bool:
+    """A ``torch.autograd.profiler.profile`` (what ``torch.profiler`` wraps) is open in this process."""
+    return bool(getattr(torch.autograd.profiler, "_is_profiler_enabled", False))
+
+
+def another_profiler_active() -> bool:
+    """A profiler (``torch.profiler``, ``torch.autograd.profiler``, or a raw session) is recording on this thread."""
+    if user_profiler_enabled():
+        return True
+    api = profiler_api()
+    return api is not None and bool(api[0]._profiler_enabled())
+
+
+def _privateuse1_in_use() -> bool:
+    return torch._C._get_privateuse1_backend_name() != "privateuseone"
+
+
+def _quiet_activity(profiler: Any) -> Any:
+    """A profiler activity whose device this machine does not use.
+
+    Memory reports come with any activity; with CPU's, the session would also hook every operator and build a trace
+    of them when it closes (twice the cost).
+    """
+    for name, module_name in (("MTIA", "mtia"), ("HPU", "hpu"), ("PrivateUse1", None), ("XPU", "xpu")):
+        activity = getattr(profiler.ProfilerActivity, name, None)
+        if activity is None:
+            continue
+        module = getattr(torch, module_name, None) if module_name else None
+        try:
+            in_use = bool(module is not None and module.is_available())
+        except Exception:  # a backend that cannot answer: treat it as in use
+            in_use = True
+        if module_name is None:
+            in_use = _privateuse1_in_use()
+        if not in_use:
+            return activity
+    return profiler.ProfilerActivity.CPU
+
+
+class MemoryOnlySession:
+    """The raw calls of a profiler session that records the allocators' reports and nothing else.
+
+    Raises:
+        RuntimeError: This torch has no profiler API for allocator reports (check :func:`profiler_api` first).
+    """
+
+    def __init__(self) -> None:
+        api = profiler_api()
+        if api is None:
+            raise RuntimeError("this torch has no profiler API for allocator reports")
+        self._autograd, profiler = api
+        self.config = profiler.ProfilerConfig(
+            profiler.ProfilerState.KINETO, False, True, False, False, False, profiler._ExperimentalConfig()
+        )
+        self.activities = {_quiet_activity(profiler)}
+        # A scope no training code opens: operators and record_function ranges stay unrecorded.
+        self.scopes = {profiler.RecordScope.LITE_INTERPRETER}
+        #: The type of an allocation report's ``extra_fields``.
+        self.allocation_type = profiler._ExtraFields_Allocation
+
+    def prepare(self) -> None:
+        self._autograd._prepare_profiler(self.config, self.activities)
+
+    def enable(self) -> None:
+        self._autograd._enable_profiler(self.config, self.activities, self.scopes)
+
+    def disable(self) -> Any:
+        """Close the session: its result, whose ``experimental_event_tree()`` holds the reports."""
+        return self._autograd._disable_profiler()
+
+    def enabled(self) -> bool:
+        return bool(self._autograd._profiler_enabled())
+
+
+# ----------------------------------------------------------------------------------------------- C++ log levels
+class NativeLogging:
+    """The C++ log levels that a reports session would otherwise write to the console through.
+
+    Kineto, the profiler library under the session, logs each start and stop of a trace ("profiler_start",
+    "Completed Stage: ...") at levels that its own setting never hides; the CPU allocator logs one warning for the
+    first (and every 1000th) free of a block it has no size for. Both levels are plain integers exported by torch's
+    shared libraries: raising them for the few microseconds of MemTrace's own calls, on its own thread, silences
+    exactly those lines and nothing that anyone else logs.
+    """
+
+    #: Above every kineto and c10 severity.
+    SILENT = 1000
+
+    def __init__(self, kineto_severity: ctypes.c_int, c10_log_level: ctypes.c_int, report_cpu: ctypes.c_bool) -> None:
+        self._kineto = kineto_severity
+        self._c10 = c10_log_level
+        self._report_cpu = report_cpu
+        #: Whether this process has spent the CPU allocator's first "unknown size" warning (it logs the 1st, 1001st,
+        #: ... such free).
+        self.unknown_free_warning_spent = False
+
+    def kineto_silenced(self) -> contextlib.AbstractContextManager[None]:
+        # The first session of the process initializes kineto inside the call, which sets kineto's own level (what
+        # the user's profilers get from now on): that one is kept.
+        return _raised(self._kineto, self.SILENT, keep_changed=True)
+
+    def c10_silenced(self) -> contextlib.AbstractContextManager[None]:
+        return _raised(self._c10, self.SILENT, keep_changed=False)
+
+    def track_every_cpu_block(self) -> None:
+        """Have the CPU allocator note every block's size from now on, on every thread, also while no session records.
+
+        The allocator warns (on the 1st, 1001st, ... occasion) when a session sees a block freed whose size it never
+        noted: a block made while no session was open, such as one of an earlier run in the same process. Noting
+        every block costs the allocator a table insert per allocation; it stays on for the rest of the process, since
+        a block made while it is off is unknown whenever it is freed. Once on, the allocator checks every free, session
+        or not: the first warning is spent here, silenced, on a block made for the purpose. The allocator also logs
+        each block at INFO level then, so it is never turned on where the C++ log level shows INFO lines.
+        """
+        if self._report_cpu.value or self._c10.value <= 0:
+            return
+        self._report_cpu.value = True
+        self.spend_unknown_free_warning()
+
+    def spend_unknown_free_warning(self) -> None:
+        """Free an unknown block, silenced, once per process: the allocator's first "unknown size" warning is spent.
+
+        The allocator checks a free only while it notes blocks or a session records: call it in one of those states.
+        """
+        if self.unknown_free_warning_spent:
+            return
+        self.unknown_free_warning_spent = True
+        block = self._unknown_block()
+        with self.c10_silenced():
+            del block
+
+    def _unknown_block(self) -> torch.Tensor:
+        """A block whose size the CPU allocator does not note (freeing it under a session is an "unknown" free)."""
+        previous = self._report_cpu.value
+        self._report_cpu.value = False
+        try:
+            return torch.empty(1, dtype=torch.uint8)
+        finally:
+            self._report_cpu.value = previous
+
+
+@contextlib.contextmanager
+def _raised(level: ctypes.c_int, value: int, keep_changed: bool) -> Iterator[None]:
+    """Set a C++ log level to ``value`` for the block; restore it after (or keep what the block set, if asked)."""
+    previous = level.value
+    level.value = value
+    try:
+        yield
+    finally:
+        if keep_changed and level.value != value:
+            previous = level.value
+        level.value = previous
+
+
+def _library(name: str) -> ctypes.CDLL | None:
+    folder = os.path.join(os.path.dirname(torch.__file__), "lib")
+    for pattern in (f"lib{name}.so", f"lib{name}.dylib", f"{name}.dll"):
+        path = os.path.join(folder, pattern)
+        if os.path.exists(path):
+            try:
+                return ctypes.CDLL(path)
+            except OSError:
+                return None
+    return None
+
+
+@functools.cache
+def native_logging() -> NativeLogging | None:
+    """The C++ log levels of this torch's shared libraries, or None where it does not export them."""
+    torch_cpu, c10 = _library("torch_cpu"), _library("c10")
+    if torch_cpu is None or c10 is None:
+        return None
+    try:
+        return NativeLogging(
+            ctypes.c_int.in_dll(torch_cpu, "_ZN9libkineto6Logger14severityLevel_E"),
+            ctypes.c_int.in_dll(c10, "FLAGS_caffe2_log_level"),
+            ctypes.c_bool.in_dll(c10, "FLAGS_caffe2_report_cpu_memory_usage"),
+        )
+    except (ValueError, OSError):
+        return None
+
+
+# ----------------------------------------------------------------------------------------------- CUDA allocator
+def cuda_history_supported() -> bool:
+    memory = getattr(torch.cuda, "memory", None)
+    return (
+        torch.cuda.is_available()
+        and memory is not None
+        and hasattr(memory, "_record_memory_history")
+        and hasattr(memory, "_snapshot")
+    )
+
+
+def start_cuda_history(max_entries: int) -> None:
+    """Record alloc/free events with Python stacks into a ring buffer of ``max_entries`` events."""
+    record = torch.cuda.memory._record_memory_history
+    parameters = inspect.signature(record).parameters
+    if "enabled" in parameters and "stacks" in _record_impl_parameters():
+        record(enabled="all", context="all", stacks="python", max_entries=max_entries)
+    elif "enabled" in parameters:
+        record(enabled="all", max_entries=max_entries)
+    else:  # torch < 2.1: the legacy boolean signature
+        record(True, trace_alloc_max_entries=max_entries, trace_alloc_record_context=True)
+
+
+def _record_impl_parameters() -> dict[str, Any]:
+    impl = getattr(torch.cuda.memory, "_record_memory_history_impl", None)
+    return dict(inspect.signature(impl).parameters) if impl is not None else {}
+
+
+def stop_cuda_history() -> None:
+    try:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    except TypeError:  # torch < 2.1: the legacy boolean signature
+        torch.cuda.memory._record_memory_history(False)
+
+
+def cuda_snapshot() -> dict[str, Any]:
+    return torch.cuda.memory._snapshot()
+
+
+def set_allocation_metadata(text: str) -> bool:
+    """Tag the CUDA allocations made from now on (``user_metadata`` in snapshots) where torch supports it."""
+    setter = getattr(torch.cuda.memory, "_set_memory_metadata", None)
+    if setter is None or not torch.cuda.is_available():
+        return False
+    try:
+        setter(text)
+        return True
+    except Exception:  # a torch whose setter refuses (no CUDA context yet, another signature): no tag
+        return False
+
+
+def cuda_oom_observer_attacher() -> Callable[[Callable[..., None]], None] | None:
+    """``torch._C._cuda_attach_out_of_memory_observer`` where this torch has it and CUDA is available."""
+    attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
+    if attach is None or not torch.cuda.is_available():
+        return None
+    return attach
