@@ -14,18 +14,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from typing_extensions import override
-
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks.callback import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from typing_extensions import override
 
-from lightning_memtrace.capture.reports_backend import track_every_cpu_block
 from lightning_memtrace.capture.config import AllocationBackend, RecorderConfig
-from lightning_memtrace.capture.recorder import MemoryRecorder
 from lightning_memtrace.capture.oom_errors import is_out_of_memory
+from lightning_memtrace.capture.recorder import MemoryRecorder
+from lightning_memtrace.capture.reports_backend import track_every_cpu_block
 from lightning_memtrace.trainer import extras, ranks
-from lightning_memtrace.types import PhaseRecord
 from lightning_memtrace.trainer.cadence import (
     RowMaxima,
     accumulating,
@@ -34,6 +32,7 @@ from lightning_memtrace.trainer.cadence import (
     log_to_loggers,
     profiles_with_torch,
 )
+from lightning_memtrace.types import PhaseRecord
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 

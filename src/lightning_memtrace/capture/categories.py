@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_memtrace.capture.storages import (
+    PLAIN_TENSORS,
     iter_tensors,
     memory_tensors,
     optimizer_state_tensors,
@@ -20,7 +21,6 @@ from lightning_memtrace.capture.storages import (
 from lightning_memtrace.types import Category
 
 StorageMap = dict[int, torch.UntypedStorage]
-_PLAIN_TENSORS = (Tensor, nn.Parameter)
 
 
 class SavedTensorsRecorder:
@@ -129,7 +129,7 @@ class CategoryCounter:
         device = self.device
         on_cpu = device.type == "cpu"
         for tensor in tensors:
-            plain = type(tensor) in _PLAIN_TENSORS
+            plain = type(tensor) in PLAIN_TENSORS
             if not plain:
                 if not isinstance(tensor, Tensor):
                     continue

@@ -15,6 +15,7 @@ from torch import Tensor
 from lightning_memtrace.capture import torch_private
 from lightning_memtrace.capture.allocation_state import AllocationState
 from lightning_memtrace.capture.oom_errors import is_out_of_memory
+from lightning_memtrace.capture.storages import PLAIN_TENSORS, memory_tensors, wrapped_tensors
 from lightning_memtrace.frames import Frame, capture_frames
 
 _RESIZING_OPS = frozenset({"resize_", "resize_as_", "set_", "resize_storage_bytes_"})
@@ -38,8 +39,10 @@ def _dispatch(mode: _TrackerMode, func: Any, types: Any, args: tuple = (), kwarg
             backend.on_oom(error)
         raise
     if fresh:
-        if isinstance(out, Tensor):
+        if type(out) in PLAIN_TENSORS:
             backend._track_output(out)
+        elif isinstance(out, Tensor):
+            backend._track_memory_of(out)
         elif isinstance(out, (list, tuple)):
             if len(fresh) == 1 and isinstance(out, list):
                 backend._seen(out)
@@ -130,11 +133,23 @@ class DispatchBackend:
 
     def _seen(self, out: Any) -> None:
         if isinstance(out, Tensor):
-            self._track_output(out)
+            self._track_memory_of(out)
         elif isinstance(out, (list, tuple)):
             for item in out:
                 if isinstance(item, Tensor):
-                    self._track_output(item)
+                    self._track_memory_of(item)
+
+    def _track_memory_of(self, tensor: Tensor) -> None:
+        if type(tensor) in PLAIN_TENSORS:
+            self._track_output(tensor)
+            return
+        inner = wrapped_tensors(tensor)
+        if inner is None:
+            self._track_output(tensor)
+            return
+        # A wrapper (an FSDP2 DTensor): its own storage is no memory, its local tensors are.
+        for local in inner:
+            self._track_output(local)
 
     def _track_output(self, tensor: Tensor) -> None:
         """Count the storage of an operator's output: ``AllocationState.track_storage`` without its rare cases.
@@ -172,9 +187,7 @@ class DispatchBackend:
         if self._frames_into is not None:
             return  # the allocator reports a resize as a free and an allocation
         live = self._live
-        for arg in args:
-            if not isinstance(arg, Tensor):
-                continue
+        for arg in memory_tensors(a for a in args if isinstance(a, Tensor)):
             storage = arg.untyped_storage()
             key = storage._cdata
             entry = live.get(key)

@@ -9,12 +9,12 @@ from typing import Any
 import torch
 
 from lightning_memtrace.capture.categories import CategoryCounter
+from lightning_memtrace.capture.oom_errors import requested_bytes_from_message
 from lightning_memtrace.capture.outputs import RecorderFiles
 from lightning_memtrace.capture.rows import Classified
+from lightning_memtrace.capture.tracker import AllocationTracker, OutOfMemoryEvent
 from lightning_memtrace.capture.window import HistoryWindow, cuda_allocated, cuda_reserved
 from lightning_memtrace.postmortem import LiveBlock, PostMortem, largest_blocks_from_snapshot, render_post_mortem
-from lightning_memtrace.capture.oom_errors import requested_bytes_from_message
-from lightning_memtrace.capture.tracker import AllocationTracker, OutOfMemoryEvent
 from lightning_memtrace.types import Category
 
 

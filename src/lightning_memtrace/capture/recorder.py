@@ -36,17 +36,17 @@ import torch
 from torch import nn
 
 from lightning_memtrace.capture import cuda_history
-from lightning_memtrace.capture.reports_backend import unavailable_reason
 from lightning_memtrace.capture.categories import CategoryCounter, SavedTensorsRecorder, normalize_device
 from lightning_memtrace.capture.config import RecorderConfig, choose_backend
-from lightning_memtrace.capture.oom import OomCapture
-from lightning_memtrace.capture.outputs import RecorderFiles
-from lightning_memtrace.capture.rows import RowPlace, RowReader
-from lightning_memtrace.capture.window import HistoryWindow
 from lightning_memtrace.capture.counters import MemoryCounters, TrackerCounters, allocator_counters
-from lightning_memtrace.postmortem import PostMortem
+from lightning_memtrace.capture.oom import OomCapture
 from lightning_memtrace.capture.oom_errors import is_out_of_memory
+from lightning_memtrace.capture.outputs import RecorderFiles
+from lightning_memtrace.capture.reports_backend import unavailable_reason
+from lightning_memtrace.capture.rows import RowPlace, RowReader
 from lightning_memtrace.capture.tracker import AllocationTracker, RowMark
+from lightning_memtrace.capture.window import HistoryWindow
+from lightning_memtrace.postmortem import PostMortem
 from lightning_memtrace.types import STAGE_AFTER_PHASE, Phase, PhaseRecord, Stage
 
 #: Deferred rows (see :meth:`MemoryRecorder.flush`) are read at the end of every training batch, and during

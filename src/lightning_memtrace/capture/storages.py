@@ -8,8 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-
-_PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
+PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
 
 
 def wrapped_tensors(tensor: Tensor) -> list[Tensor] | None:
@@ -18,7 +17,7 @@ def wrapped_tensors(tensor: Tensor) -> list[Tensor] | None:
 
     A wrapper's own storage is no memory: reading its pointer fails, and its bytes are its inner tensors'.
     """
-    if type(tensor) in _PLAIN_TENSORS:
+    if type(tensor) in PLAIN_TENSORS:
         return None
     flatten = getattr(tensor, "__tensor_flatten__", None)
     if flatten is None:

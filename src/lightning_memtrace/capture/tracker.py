@@ -31,6 +31,7 @@ from lightning_memtrace.capture.dispatch_backend import DispatchBackend
 from lightning_memtrace.capture.oom_errors import requested_bytes_from_message
 from lightning_memtrace.capture.reports_backend import ReportsBackend, ReportsUnavailable, track_every_cpu_block
 from lightning_memtrace.capture.snapshot_builder import build_snapshot
+from lightning_memtrace.capture.storages import memory_tensors
 from lightning_memtrace.frames import Frame, capture_frames, traceback_frames
 
 __all__ = ["AllocationTracker", "LiveAllocation", "OutOfMemoryEvent", "RowMark", "TrackerBackend"]
@@ -190,8 +191,12 @@ class AllocationTracker:
     # ----------------------------------------------------------------------------------------------- counting
     def adopt(self, tensor_or_storage: Tensor | torch.UntypedStorage) -> bool:
         """Count a storage that exists already (parameters, a batch made before tracking). True if it was new."""
-        storage = tensor_or_storage.untyped_storage() if isinstance(tensor_or_storage, Tensor) else tensor_or_storage
-        return self._state.track_storage(storage, adopted=True)
+        if not isinstance(tensor_or_storage, Tensor):
+            return self._state.track_storage(tensor_or_storage, adopted=True)
+        new = False
+        for tensor in memory_tensors([tensor_or_storage]):  # a DTensor: its local shard
+            new = self._state.track_storage(tensor.untyped_storage(), adopted=True) or new
+        return new
 
     def label(self, storages: dict[int, tuple[str, torch.UntypedStorage]]) -> None:
         """Count the storages not counted yet (as :meth:`adopt`) and tag every one with its category.
