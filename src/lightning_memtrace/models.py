@@ -9,7 +9,7 @@ from typing import Any
 
 from lightning_utilities.core.imports import RequirementCache
 
-_TRANSFORMERS_AVAILABLE = RequirementCache("transformers")
+TRANSFORMERS_AVAILABLE = RequirementCache("transformers")
 
 #: ``shared/reference/configs/qwen2-tiny.json``: a 3,428,608-parameter Qwen2 (tied embeddings) for demos and tests.
 TINY_QWEN2_CONFIG: dict[str, Any] = {
@@ -45,8 +45,8 @@ def load_config_dict(config: str | os.PathLike | dict[str, Any]) -> dict[str, An
 
 def build_causal_lm(config: str | os.PathLike | dict[str, Any], **overrides: Any) -> Any:
     """``AutoModelForCausalLM.from_config`` on a local config, with random weights (nothing is downloaded)."""
-    if not _TRANSFORMERS_AVAILABLE:
-        raise ModuleNotFoundError(str(_TRANSFORMERS_AVAILABLE))
+    if not TRANSFORMERS_AVAILABLE:
+        raise ModuleNotFoundError(str(TRANSFORMERS_AVAILABLE))
     from transformers import AutoConfig, AutoModelForCausalLM
 
     data = load_config_dict(config)

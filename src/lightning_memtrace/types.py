@@ -129,3 +129,21 @@ COUNTERS = (
     "inputs",
     "other",
 )
+
+#: The phases of a training batch, in the order MemTrace takes their rows.
+TRAIN_PHASES = (
+    Phase.BATCH_START,
+    Phase.AFTER_FORWARD,
+    Phase.AFTER_BACKWARD,
+    Phase.AFTER_OPTIMIZER_STEP,
+    Phase.BATCH_END,
+)
+#: The phases of a validation batch.
+VAL_PHASES = (Phase.VAL_BATCH_START, Phase.VAL_BATCH_END)
+
+
+class ValueEnum(str, Enum):
+    """A string enum whose ``str()`` is its value (``f"{Precision.FP32}"`` is ``32-true``): the base of option enums."""
+
+    def __str__(self) -> str:
+        return self.value

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import lightning.pytorch as pl
 
-from lightning_memtrace.types import COUNTERS, Phase, PhaseRecord
+from lightning_memtrace.types import COUNTERS, VAL_PHASES, Phase, PhaseRecord
 from lightning_memtrace.units import MIB
 
-TRAIN_PHASES = (Phase.BATCH_START, Phase.AFTER_FORWARD, Phase.AFTER_BACKWARD, Phase.AFTER_OPTIMIZER_STEP, Phase.BATCH_END)
-VAL_PHASES = (Phase.VAL_BATCH_START, Phase.VAL_BATCH_END)
 # per phase: (metric key, PhaseRecord attribute) for each counter, built once
 _METRIC_KEYS = {phase: tuple((f"memtrace/{phase.value}/{c}", f"{c}_bytes") for c in COUNTERS) for phase in Phase}
 

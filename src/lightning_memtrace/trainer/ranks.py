@@ -6,8 +6,7 @@ from collections.abc import Iterable
 
 import torch
 
-from lightning_memtrace.trainer.cadence import TRAIN_PHASES
-from lightning_memtrace.types import COUNTERS, PhaseRecord
+from lightning_memtrace.types import COUNTERS, TRAIN_PHASES, PhaseRecord
 from lightning_memtrace.units import MIB
 
 _RANK_BITS = 16

@@ -1,0 +1,102 @@
+"""The estimate of a Hugging Face causal LM from its config alone: built on the meta device, no weights."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_memtrace.estimator.inputs import OptimizerName, Precision, lm_batch
+from lightning_memtrace.estimator.result import Estimate
+from lightning_memtrace.estimator.run import estimate
+from lightning_memtrace.models import TRANSFORMERS_AVAILABLE, load_config_dict
+
+
+def _hf_config(config: str | os.PathLike | Mapping[str, Any]) -> Any:
+    """The ``PretrainedConfig`` of a dict, a ``config.json``, a folder or a hub id (where the network allows)."""
+    from transformers import AutoConfig
+
+    if isinstance(config, Mapping):
+        return AutoConfig.for_model(**dict(config))
+    path = Path(config).expanduser()
+    text = str(config)
+    if not path.exists() and (text.endswith(".json") or text.startswith((".", "/", "~")) or os.sep + os.sep in text):
+        raise FileNotFoundError(f"no such config file or folder: {text}")
+    if path.exists():
+        return AutoConfig.for_model(**load_config_dict(path))
+    return AutoConfig.from_pretrained(str(config))  # a hub id, where the network allows
+
+
+def build_meta_model(config: str | os.PathLike | Mapping[str, Any]) -> nn.Module:
+    """A Hugging Face causal LM on the meta device, to pass to :func:`estimate_from_config` many times."""
+    if not TRANSFORMERS_AVAILABLE:
+        raise ModuleNotFoundError(str(TRANSFORMERS_AVAILABLE))
+    from transformers import AutoModelForCausalLM
+
+    hf_config = _hf_config(config)
+    hf_config.use_cache = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager", dtype=torch.float32)
+
+
+def estimate_from_config(
+    config: str | os.PathLike | Mapping[str, Any],
+    batch_size: int,
+    seq_len: int,
+    *,
+    optimizer: str | OptimizerName = OptimizerName.ADAMW,
+    precision: str | int | Precision = "32-true",
+    gradient_checkpointing: bool = False,
+    accumulate_grad_batches: int = 1,
+    device: torch.device | str = "cuda",
+    lr: float = 1e-3,
+    steps: int = 2,
+    model: nn.Module | None = None,
+) -> Estimate:
+    """Estimate a Hugging Face causal LM from its config alone (a dict, a ``config.json``, a folder or a hub id).
+
+    The model is built on the meta device (no weights, no download of weights), trained on ``input_ids`` of shape
+    ``(batch_size, seq_len)`` with ``labels=input_ids``, eager attention.
+
+    Args:
+        config: The Hugging Face config.
+        batch_size: Micro-batch size.
+        seq_len: Tokens per sequence.
+        optimizer: ``adamw``, ``adam`` or ``sgd`` (momentum 0.9).
+        precision: Lightning's precision setting.
+        gradient_checkpointing: Non-reentrant activation checkpointing.
+        accumulate_grad_batches: Batches per optimizer step.
+        device: The device to estimate for (``cuda`` by default).
+        lr: Learning rate (it does not change memory).
+        steps: Optimizer steps to run.
+        model: A meta model built before (from :func:`build_meta_model`), to reuse across batch sizes.
+    """
+    name = OptimizerName(str(optimizer).lower())
+    precision = Precision.parse(precision)
+    built = model if model is not None else build_meta_model(config)
+
+    def factory(fake_model: nn.Module) -> torch.optim.Optimizer:
+        params = [p for p in fake_model.parameters() if p.requires_grad]
+        if name is OptimizerName.ADAMW:
+            return torch.optim.AdamW(params, lr=lr)
+        if name is OptimizerName.ADAM:
+            return torch.optim.Adam(params, lr=lr)
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+
+    return estimate(
+        built,
+        lm_batch(batch_size, seq_len),
+        optimizer_factory=factory,
+        precision=precision,
+        accumulate_grad_batches=accumulate_grad_batches,
+        gradient_checkpointing=gradient_checkpointing,
+        device=device,
+        steps=steps,
+    )

@@ -1,0 +1,122 @@
+"""Modules and batches copied onto fake tensors (shapes, dtypes and devices, no data, no real memory).
+
+Every private torch entry point the estimator uses is here (``FakeTensorMode``, ``_disable_current_modes``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_memtrace.estimator.inputs import InputSpec, map_batch
+
+
+def fake_mode() -> Any:
+    """A fresh ``FakeTensorMode`` that refuses real tensors as inputs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=False)
+
+
+@contextlib.contextmanager
+def outer_modes_paused() -> Iterator[None]:
+    """Take the dispatch modes already active (a running MemTrace's tracker) off the stack while estimating.
+
+    The estimate stays invisible to a real run's measurement, and the real run's tracker does not see the fake
+    computations (which it would ignore, at a cost).
+    """
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        yield
+
+
+def _fake_tensor(tensor: Tensor, mode: Any, device: torch.device, dtype: torch.dtype | None = None) -> Tensor:
+    with mode:
+        return torch.empty_strided(
+            tuple(tensor.shape), tuple(tensor.stride()), dtype=dtype or tensor.dtype, device=device
+        )
+
+
+def _fake_tensors(
+    module: nn.Module, mode: Any, device: torch.device, param_dtype: torch.dtype | None
+) -> dict[int, Any]:
+    """``id(real) -> fake`` for every parameter and buffer (tied tensors once, so they stay tied)."""
+    memo: dict[int, Any] = {}
+
+    def cast(t: Tensor) -> torch.dtype | None:
+        return param_dtype if param_dtype is not None and t.is_floating_point() else None
+
+    for param in module.parameters():
+        if id(param) not in memo:
+            memo[id(param)] = nn.Parameter(
+                _fake_tensor(param, mode, device, cast(param)), requires_grad=param.requires_grad
+            )
+    for buffer in module.buffers():
+        if id(buffer) not in memo:
+            memo[id(buffer)] = _fake_tensor(buffer, mode, device, cast(buffer))
+    return memo
+
+
+def _replace_in_place(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
+    for sub in module.modules():
+        for name, value in list(sub._parameters.items()):
+            if value is not None:
+                sub._parameters[name] = memo[id(value)]
+        for name, value in list(sub._buffers.items()):
+            if value is not None:
+                sub._buffers[name] = memo[id(value)]
+    return module
+
+
+def _deep_copy(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
+    """A deep copy with the fake tensors of ``memo``; the trainer, fabric and real gradients are left out."""
+    trainer = getattr(module, "_trainer", None)
+    if trainer is not None:
+        memo[id(trainer)] = None
+    for sub in module.modules():
+        for name in ("_fabric", "_trainer"):
+            value = sub.__dict__.get(name)
+            if value is not None:
+                memo[id(value)] = None
+        for param in list(sub._parameters.values()):
+            if param is not None and param.grad is not None:
+                memo[id(param.grad)] = None
+    try:
+        return copy.deepcopy(module, memo)
+    except Exception as error:
+        raise ValueError(
+            f"cannot copy {type(module).__name__} onto fake tensors: {type(error).__name__}: {error}"
+        ) from error
+
+
+def fake_copy(
+    module: nn.Module, mode: Any, device: torch.device, param_dtype: torch.dtype | None, in_place: bool
+) -> nn.Module:
+    """The module with every parameter and buffer replaced by a fake tensor (tied tensors stay tied)."""
+    memo = _fake_tensors(module, mode, device, param_dtype)
+    if in_place:
+        return _replace_in_place(module, memo)
+    return _deep_copy(module, memo)
+
+
+def fake_batch(batch: Any, mode: Any, device: torch.device, float_dtype: torch.dtype | None) -> Any:
+    """The batch with each tensor (real, meta or fake) or :class:`InputSpec` replaced by a fake tensor on ``device``."""
+
+    def one(leaf: Tensor | InputSpec) -> Tensor:
+        if isinstance(leaf, InputSpec):
+            dtype = leaf.dtype
+            if float_dtype is not None and dtype.is_floating_point:
+                dtype = float_dtype
+            with mode:
+                return torch.empty(leaf.shape, dtype=dtype, device=device)
+        dtype = float_dtype if float_dtype is not None and leaf.is_floating_point() else leaf.dtype
+        with mode:
+            return torch.empty(tuple(leaf.shape), dtype=dtype, device=device)
+
+    return map_batch(batch, one)

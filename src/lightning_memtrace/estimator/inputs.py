@@ -1,0 +1,115 @@
+"""What an estimate is asked about: the precision, the optimizer's name and the batch (tensors or shapes)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_memtrace.types import ValueEnum
+
+
+class Precision(ValueEnum):
+    """Lightning's precision settings that the estimate knows."""
+
+    FP32 = "32-true"
+    FP16_MIXED = "16-mixed"
+    BF16_MIXED = "bf16-mixed"
+    BF16_TRUE = "bf16-true"
+    FP16_TRUE = "16-true"
+
+    @classmethod
+    def parse(cls, value: str | int | Precision) -> Precision:
+        """Accept Lightning's spellings: ``32``, ``"32"``, ``"32-true"``, ``"bf16"``, ``"16"``..."""
+        if isinstance(value, Precision):
+            return value
+        text = str(value).strip().lower()
+        aliases = {
+            "32": cls.FP32,
+            "32-true": cls.FP32,
+            "fp32": cls.FP32,
+            "16": cls.FP16_MIXED,
+            "16-mixed": cls.FP16_MIXED,
+            "bf16": cls.BF16_MIXED,
+            "bf16-mixed": cls.BF16_MIXED,
+            "bf16-true": cls.BF16_TRUE,
+            "16-true": cls.FP16_TRUE,
+        }
+        if text not in aliases:
+            raise ValueError(f"unknown precision {value!r}; use one of {', '.join(p.value for p in cls)}")
+        return aliases[text]
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        return {Precision.FP16_MIXED: torch.float16, Precision.BF16_MIXED: torch.bfloat16}.get(self)
+
+    @property
+    def param_dtype(self) -> torch.dtype | None:
+        return {Precision.BF16_TRUE: torch.bfloat16, Precision.FP16_TRUE: torch.float16}.get(self)
+
+
+class OptimizerName(ValueEnum):
+    """Optimizers the config-based estimate (and the CLI) can build."""
+
+    ADAMW = "adamw"
+    ADAM = "adam"
+    SGD = "sgd"
+
+
+@dataclasses.dataclass(frozen=True)
+class InputSpec:
+    """A batch tensor given by shape and dtype only (nothing is allocated)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype = torch.float32
+
+
+def lm_batch(batch_size: int, seq_len: int) -> dict[str, InputSpec]:
+    """The batch of a causal LM as shapes: ``{"input_ids": (batch_size, seq_len) int64}``."""
+    return {"input_ids": InputSpec((int(batch_size), int(seq_len)), torch.int64)}
+
+
+def map_batch(obj: Any, fn: Callable[[Any], Any], depth: int = 0) -> Any:
+    """The batch with ``fn`` applied to each leaf (a tensor or an :class:`InputSpec`), containers rebuilt."""
+    if depth > 32:
+        return obj
+    if isinstance(obj, (Tensor, InputSpec)):
+        return fn(obj)
+    if isinstance(obj, Mapping):
+        mapped = {k: map_batch(v, fn, depth + 1) for k, v in obj.items()}
+        try:
+            return type(obj)(mapped)
+        except Exception:  # noqa: BLE001 - a mapping type that cannot be rebuilt from a dict
+            return mapped
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*[map_batch(v, fn, depth + 1) for v in obj])
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_batch(v, fn, depth + 1) for v in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(
+            obj, **{f.name: map_batch(getattr(obj, f.name), fn, depth + 1) for f in dataclasses.fields(obj) if f.init}
+        )
+    return obj
+
+
+def batch_dims(batch: Any) -> tuple[int | None, int | None]:
+    """Batch size (first dimension of the first leaf) and sequence length (of ``input_ids``), where known."""
+    leaves: list[tuple[int, ...]] = []
+
+    def collect(leaf: Any) -> Any:
+        leaves.append(tuple(leaf.shape))
+        return leaf
+
+    map_batch(batch, collect)
+    if not leaves or not leaves[0]:
+        return None, None
+    first = leaves[0]
+    seq = None
+    if isinstance(batch, Mapping) and "input_ids" in batch:
+        ids = batch["input_ids"]
+        if len(ids.shape) >= 2:
+            seq = int(ids.shape[1])
+    return int(first[0]), seq

@@ -1,0 +1,211 @@
+"""Lightning's automatic optimization loop on fake tensors, step for step, with MemTrace's recorder taking the rows.
+
+Order of a batch: batch_start, forward, zero_grad (set_to_none), backward, optimizer step, batch_end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_memtrace.estimator.fake import fake_batch
+from lightning_memtrace.estimator.inputs import Precision
+from lightning_memtrace.estimator.meta_recorder import meta_recorder
+from lightning_memtrace.capture.recorder import MemoryRecorder
+from lightning_memtrace.types import PhaseRecord
+
+
+def default_training_step(model: nn.Module, batch: Any) -> Tensor:
+    """The loss of a plain module: ``model(**batch).loss`` (labels = input_ids for a causal LM), ``model(*batch)``..."""
+    if isinstance(batch, Mapping):
+        if "input_ids" in batch and "labels" not in batch and hasattr(model, "config"):
+            out = model(**batch, labels=batch["input_ids"])
+        else:
+            out = model(**batch)
+    elif isinstance(batch, (list, tuple)):
+        out = model(*batch)
+    else:
+        out = model(batch)
+    loss = getattr(out, "loss", None)
+    if loss is None and isinstance(out, Mapping):
+        loss = out.get("loss")
+    if loss is None and isinstance(out, Tensor):
+        loss = out.float().mean()
+    if not isinstance(loss, Tensor):
+        raise TypeError("the model's output has no loss: pass training_step=")
+    return loss
+
+
+@contextlib.contextmanager
+def _autocast(device_type: str, dtype: torch.dtype | None) -> Iterator[None]:
+    if dtype is None:
+        yield
+        return
+    # As Lightning's MixedPrecision plugin: no cache of cast weights (they would stay alive through the forward).
+    with torch.autocast(device_type=device_type, dtype=dtype, cache_enabled=False):
+        yield
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype | None) -> Iterator[None]:
+    if dtype is None:
+        yield
+        return
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _loss_of(output: Any) -> Tensor | None:
+    if isinstance(output, Tensor):
+        return output
+    if isinstance(output, Mapping):
+        loss = output.get("loss")
+        if not isinstance(loss, Tensor):
+            raise TypeError("training_step returned a dict without a 'loss' tensor")
+        return loss
+    if output is None:
+        return None
+    raise ValueError(f"training_step returned {type(output).__name__}: return a loss tensor or a dict with 'loss'")
+
+
+def run_steps(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Any,
+    mode: Any,
+    device: torch.device,
+    precision: Precision,
+    accumulate: int,
+    steps: int,
+    lightning: bool,
+    training_step: Callable[[nn.Module, Any], Any] | None,
+    prefetch: bool,
+) -> list[PhaseRecord]:
+    """Lightning's automatic optimization loop, step for step, with MemTrace's recorder taking the rows."""
+    recorder = meta_recorder(model, optimizer, device)
+    loop = LightningLoop(model, optimizer, recorder, device, precision, accumulate, lightning, training_step)
+    float_dtype = precision.param_dtype
+
+    def new_batch() -> Any:
+        return fake_batch(batch, mode, device, float_dtype)
+
+    with mode:
+        recorder.start()
+        try:
+            buffer: list[Any] = [new_batch()] if prefetch else []
+            for batch_idx in range(steps * accumulate):
+                if prefetch:
+                    # Lightning's prefetching fetcher: the next batch is fetched before this one starts.
+                    current = buffer.pop(0)
+                    buffer.append(new_batch())
+                else:
+                    # On an accelerator only the current batch is on the device (moved in `batch_to_device`).
+                    current = new_batch()
+                loop.run_batch(current, batch_idx)
+                del current
+            del buffer
+        finally:
+            loop.clear()
+            recorder.stop()
+    return list(recorder.records)
+
+
+class LightningLoop:
+    """One training batch as Lightning's automatic optimization runs it, with the recorder's rows at its hooks."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        recorder: MemoryRecorder,
+        device: torch.device,
+        precision: Precision,
+        accumulate: int,
+        lightning: bool,
+        training_step: Callable[[nn.Module, Any], Any] | None,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.recorder = recorder
+        self.device = device
+        self.precision = precision
+        self.accumulate = accumulate
+        self.lightning = lightning
+        self.step_fn = training_step or default_training_step
+        self.global_step = 0
+        self.scale: Tensor | None = None  # GradScaler's scale, alive from the first backward on (16-mixed)
+        self.batch: Any = None
+        self.batch_idx = 0
+        # Lightning's ClosureResult: the loss and whatever training_step returned beside it, alive until the batch ends.
+        self.result: dict[str, Any] = {}
+
+    def clear(self) -> None:
+        self.batch = None
+        self.result = {}
+
+    def run_batch(self, batch: Any, batch_idx: int) -> None:
+        self.batch, self.batch_idx, self.result = batch, batch_idx, {}
+        should_step = (batch_idx + 1) % self.accumulate == 0
+        self.recorder.begin_batch(batch, step=self.global_step, batch_idx=batch_idx)
+        if should_step:
+            if self.precision is Precision.FP16_MIXED:
+                # Lightning's AMP plugin runs the closure outside optimizer.step, then unscales and steps.
+                self.closure()
+                self._unscale()
+                self.optimizer.step()
+            else:
+                self.optimizer.step(self.closure)
+            self.global_step += 1
+        else:
+            self.closure()
+        # closure.consume_result(): only the detached loss (and any extra outputs) reach on_train_batch_end.
+        self.result.pop("closure_loss", None)
+        self.recorder.end_batch(next_step=self.global_step)
+        self.clear()
+
+    def closure(self) -> Tensor | None:
+        """Lightning's ``Closure``: training_step, zero_grad on the first batch of a window, backward."""
+        recorder, result = self.recorder, self.result
+        with _autocast(self.device.type, self.precision.autocast_dtype), _default_dtype(self.precision.param_dtype):
+            if self.lightning:
+                output = self.model.training_step(self.batch, self.batch_idx)
+            else:
+                output = self.step_fn(self.model, self.batch)
+        loss = _loss_of(output)
+        if isinstance(output, Mapping):
+            # ClosureResult keeps what training_step returned beside the loss until the batch ends.
+            result["extra"] = {k: v for k, v in output.items() if k != "loss"}
+        del output
+        if loss is None:
+            return None
+        closure_loss = loss / self.accumulate
+        del loss
+        result["closure_loss"] = closure_loss
+        result["loss"] = closure_loss.detach().clone()
+        if self.batch_idx % self.accumulate == 0:
+            recorder.mark_forward_done()  # on_before_zero_grad
+            self.optimizer.zero_grad(set_to_none=True)
+        recorder.mark_forward_done()  # on_before_backward
+        to_backward = closure_loss
+        if self.precision is Precision.FP16_MIXED:
+            if self.scale is None:
+                self.scale = torch.full((), 65536.0, dtype=torch.float32, device=self.device)
+            to_backward = closure_loss * self.scale
+        to_backward.backward()
+        del to_backward, closure_loss
+        recorder.mark_backward_done()  # on_after_backward
+        return result["loss"]
+
+    def _unscale(self) -> None:
+        grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if grads and self.scale is not None:
+            inv_scale = self.scale.double().reciprocal().float()
+            torch._foreach_mul_(grads, inv_scale)

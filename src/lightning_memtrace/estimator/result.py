@@ -1,0 +1,161 @@
+"""The result of an estimate: the callback's rows on fake tensors, the closed-form figures, the table and JSON."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from lightning_memtrace.estimator.closed_form import ClosedForm
+from lightning_memtrace.types import Category, Phase, PhaseRecord
+from lightning_memtrace.units import format_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """What a training step takes, measured on fake tensors: the callback's rows plus closed-form figures.
+
+    Attributes:
+        records: One :class:`PhaseRecord` per phase of every estimated batch, as MemTrace writes them on a real run
+            (``peak_bytes`` is the highest allocation since the previous row).
+        closed_form: The textbook figures beside the measured ones.
+        device: The device the estimate is for (``cpu`` or ``cuda``).
+        precision: Lightning's precision setting.
+        optimizer: The optimizer's class name.
+        batch_size: Micro-batch size (first dimension of the first batch tensor), if known.
+        seq_len: Sequence length (second dimension of token ids), if known.
+        accumulate_grad_batches: Batches per optimizer step.
+        gradient_checkpointing: Whether activation checkpointing was on.
+        seconds: Wall time the estimate took.
+    """
+
+    records: tuple[PhaseRecord, ...]
+    closed_form: ClosedForm
+    device: str
+    precision: str
+    optimizer: str
+    batch_size: int | None = None
+    seq_len: int | None = None
+    accumulate_grad_batches: int = 1
+    gradient_checkpointing: bool = False
+    seconds: float = 0.0
+
+    @property
+    def peak_bytes(self) -> int:
+        """The highest allocation of the whole estimated run."""
+        return max((r.peak_bytes for r in self.records), default=0)
+
+    @property
+    def peak_record(self) -> PhaseRecord | None:
+        """The row whose ``peak_bytes`` is highest (the phase that ends the stretch where the peak falls)."""
+        return max(self.records, key=lambda r: r.peak_bytes, default=None)
+
+    @property
+    def steady_step(self) -> int:
+        """The last estimated step: gradients of the previous step and optimizer state are alive (steady state)."""
+        return max((r.step for r in self.records), default=0)
+
+    def phase_peaks(self) -> dict[Phase, int]:
+        """Per phase, the highest ``peak_bytes`` over the estimated steps."""
+        out: dict[Phase, int] = {}
+        for record in self.records:
+            out[record.phase] = max(out.get(record.phase, 0), record.peak_bytes)
+        return out
+
+    def category_bytes(self, phase: Phase | str | None = None) -> dict[Category, int]:
+        """Per category, the most bytes seen (at one phase, or over all phases)."""
+        wanted = Phase(phase) if phase is not None else None
+        out = {category: 0 for category in Category}
+        for record in self.records:
+            if wanted is not None and record.phase != wanted:
+                continue
+            for category, value in record.category_bytes().items():
+                out[category] = max(out[category], value)
+        return out
+
+    def fits(self, device_memory: int) -> bool:
+        """Whether the peak fits in ``device_memory`` bytes (allocated bytes: leave room for the CUDA context)."""
+        return self.peak_bytes <= int(device_memory)
+
+    def to_dataframe(self) -> Any:
+        """The rows as a pandas DataFrame with the columns of the phases CSV."""
+        import pandas as pd
+
+        return pd.DataFrame([r.as_dict() for r in self.records], columns=PhaseRecord.columns())
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "device": self.device,
+            "precision": self.precision,
+            "optimizer": self.optimizer,
+            "batch_size": self.batch_size,
+            "seq_len": self.seq_len,
+            "accumulate_grad_batches": self.accumulate_grad_batches,
+            "gradient_checkpointing": self.gradient_checkpointing,
+            "peak_bytes": self.peak_bytes,
+            "phase_peaks": {p.value: v for p, v in self.phase_peaks().items()},
+            "categories": {c.value: v for c, v in self.category_bytes().items()},
+            "closed_form": self.closed_form.as_dict(),
+            "seconds": self.seconds,
+        }
+
+    def table(self) -> str:
+        """Plain text: per phase of the steady step, peak, allocated and categories; then closed-form figures."""
+        step = self.steady_step
+        out = [f"estimate (step {step}, steady state): {self.describe()}"]
+        out.extend(_phase_lines([r for r in self.records if r.step == step]))
+        out.append("")
+        out.extend(_closed_form_lines(self.category_bytes(), self.closed_form))
+        record = self.peak_record
+        where = f" (in the stretch ending at {record.phase.value}, step {record.step})" if record is not None else ""
+        out.append(f"peak: {format_bytes(self.peak_bytes)} ({self.peak_bytes:,} B){where}")
+        return "\n".join(out)
+
+    def describe(self) -> str:
+        parts = [self.device, self.precision, self.optimizer]
+        if self.batch_size is not None:
+            parts.append(f"batch {self.batch_size}" + (f" x {self.seq_len} tokens" if self.seq_len else ""))
+        if self.accumulate_grad_batches > 1:
+            parts.append(f"accumulate {self.accumulate_grad_batches}")
+        if self.gradient_checkpointing:
+            parts.append("gradient checkpointing")
+        return ", ".join(parts)
+
+
+def _phase_lines(rows: list[PhaseRecord]) -> list[str]:
+    """Aligned columns: phase, peak, allocated and each category, a rule under the header."""
+    cats = list(Category)
+    header = ["phase", "peak", "allocated", *[c.value for c in cats]]
+    lines = [header]
+    for r in rows:
+        values = r.category_bytes()
+        lines.append(
+            [
+                r.phase.value,
+                format_bytes(r.peak_bytes),
+                format_bytes(r.allocated_bytes),
+                *[format_bytes(values[c]) for c in cats],
+            ]
+        )
+    widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
+    out = []
+    for index, row in enumerate(lines):
+        out.append(
+            "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+        )
+        if index == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return out
+
+
+def _closed_form_lines(measured: dict[Category, int], cf: ClosedForm) -> list[str]:
+    """Measured beside closed-form bytes for parameters, gradients and optimizer state."""
+    out = [f"{'':22}{'measured':>24}{'closed form':>24}"]
+    formula = [
+        ("parameters", measured[Category.PARAMETERS], cf.parameters_bytes),
+        ("gradients", measured[Category.GRADIENTS], cf.gradients_bytes),
+        ("optimizer_state", measured[Category.OPTIMIZER_STATE], cf.optimizer_state_with_steps_bytes),
+    ]
+    for name, value, expected in formula:
+        shown = f"{expected:,} B" if expected is not None else "n/a"
+        out.append(f"{name:22}{value:>22,} B{shown:>24}")
+    return out

@@ -1,0 +1,288 @@
+"""The estimate of a module: copied onto fake tensors, its optimizer built there, a few training steps measured.
+
+Where the target is CUDA and this machine has no CUDA, the steps run on fake CPU tensors with CUDA's defaults emulated
+(foreach optimizers, ``step`` tensors on the host, not counted); autocast then uses CPU's op lists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_memtrace.estimator.closed_form import closed_form
+from lightning_memtrace.estimator.fake import fake_copy, fake_mode, outer_modes_paused
+from lightning_memtrace.estimator.inputs import Precision, batch_dims
+from lightning_memtrace.estimator.loop import run_steps
+from lightning_memtrace.estimator.result import Estimate
+from lightning_memtrace.capture.storages import unique_storages
+from lightning_memtrace.types import Phase, PhaseRecord
+
+
+def estimate(
+    module: nn.Module,
+    batch: Any,
+    *,
+    optimizer_factory: Callable[[nn.Module], Any] | None = None,
+    training_step: Callable[[nn.Module, Any], Any] | None = None,
+    precision: str | int | Precision = "32-true",
+    accumulate_grad_batches: int = 1,
+    gradient_checkpointing: bool = False,
+    device: torch.device | str | None = None,
+    steps: int = 2,
+    copy_module: bool = True,
+    prefetch: bool = False,
+) -> Estimate:
+    """Estimate the memory of training ``module`` on ``batch`` by running real steps on fake tensors.
+
+    Nothing real is allocated for parameters, gradients, optimizer state, batch or activations: a 1.5B-parameter
+    model estimates on a laptop. The module's own ``forward`` (or ``training_step``) runs, autograd saves what it
+    saves, the optimizer's own ``step`` runs, and :class:`~lightning_memtrace.capture.recorder.MemoryRecorder` takes the same
+    rows the callback takes on a real run, in Lightning's order (``zero_grad`` after the forward, so the previous
+    step's gradients are alive through the next forward; with accumulation, ``zero_grad`` on the first batch of a
+    window and a step on its last).
+
+    Args:
+        module: A LightningModule (its ``training_step`` and ``configure_optimizers`` are used) or any ``nn.Module``.
+            Its tensors may be real, meta or fake; it is copied (``copy_module``) and never changed.
+        batch: An example batch (tensors, nested in dicts/lists/tuples/dataclasses) or shapes: each leaf may be a
+            real tensor, a meta tensor or an :class:`InputSpec`. Only shapes and dtypes are used.
+        optimizer_factory: ``factory(model) -> optimizer`` (or anything ``configure_optimizers`` may return). Default:
+            the LightningModule's ``configure_optimizers``; for a plain module, AdamW(lr=1e-3).
+        training_step: ``fn(model, batch) -> loss`` for a plain module. Default: the LightningModule's
+            ``training_step(batch, batch_idx)``, else ``model(**batch).loss`` (labels = input_ids for a causal LM),
+            ``model(*batch)`` or ``model(batch)``, reduced with ``mean`` if it is a tensor.
+        precision: ``32-true``, ``16-mixed``, ``bf16-mixed``, ``bf16-true`` or ``16-true`` (Lightning's meaning:
+            mixed autocasts the forward and keeps fp32 weights; true casts the weights and float inputs).
+        accumulate_grad_batches: Batches per optimizer step.
+        gradient_checkpointing: Turn on activation checkpointing (Hugging Face ``gradient_checkpointing_enable``,
+            non-reentrant) before estimating. False leaves the module as it is.
+        device: The device to estimate for. Default: the module's device (``meta`` counts as ``cuda``).
+            For ``cuda`` on a machine without CUDA, fake CPU tensors stand in: the optimizer uses foreach kernels
+            (CUDA's default), Adam's ``step`` scalars are left out (host memory on CUDA) and autocast follows CPU's
+            op lists.
+        steps: Optimizer steps to run (at least 2: the second is the steady state).
+        copy_module: Copy the module onto fake tensors (False: replace the module's own tensors; only for modules
+            made for the estimate).
+        prefetch: Keep the next batch alive during each step, as Lightning's fetcher does for a data loader without
+            a length (an iterable dataset) on CPU. Sized loaders are not prefetched.
+
+    Returns:
+        An :class:`Estimate` with the callback's rows for every estimated batch and the closed-form figures.
+    """
+    started = time.perf_counter()
+    precision = Precision.parse(precision)
+    accumulate = max(1, int(accumulate_grad_batches))
+    steps = max(2, int(steps))
+    target, fake_device = _devices(module, device)
+    emulate_cuda = target.type == "cuda" and fake_device.type != "cuda"
+    lightning = _is_lightning_module(module)
+
+    mode = fake_mode()
+    with warnings.catch_warnings(), outer_modes_paused():
+        warnings.simplefilter("ignore")
+        model = fake_copy(module, mode, fake_device, precision.param_dtype, in_place=not copy_module)
+        model.train()
+        if gradient_checkpointing:
+            _enable_gradient_checkpointing(model)
+        optimizer = _build_optimizer(model, mode, target, optimizer_factory, lightning)
+        prefetch = prefetch and not emulate_cuda and fake_device.type == "cpu"
+        records = run_steps(
+            model, optimizer, batch, mode, fake_device, precision, accumulate, steps, lightning, training_step, prefetch
+        )
+    if emulate_cuda:
+        records = _without_host_steps(records, optimizer)
+    batch_size, seq_len = batch_dims(batch)
+    return Estimate(
+        records=tuple(records),
+        closed_form=closed_form(
+            model, optimizer, steps_on_device=target.type == "cpu" or not _steps_on_host(optimizer)
+        ),
+        device=target.type,
+        precision=precision.value,
+        optimizer=type(optimizer).__name__,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        accumulate_grad_batches=accumulate,
+        gradient_checkpointing=bool(gradient_checkpointing or _checkpointing_on(model)),
+        seconds=time.perf_counter() - started,
+    )
+
+
+def estimate_for_module(
+    pl_module: nn.Module,
+    batch: Any,
+    precision: str | int | Precision = "32-true",
+    accumulate_grad_batches: int = 1,
+    optimizers_factory: Callable[[nn.Module], Any] | None = None,
+    gradient_checkpointing: bool = False,
+    device: torch.device | str | None = None,
+    steps: int = 3,
+) -> Estimate:
+    """The estimate for the callback: the real LightningModule and its first batch, copied onto fake tensors.
+
+    Args:
+        pl_module: The module being trained (real weights are not touched; nothing real is allocated).
+        batch: Its first batch (as ``on_train_batch_start`` receives it).
+        precision: The Trainer's precision (``trainer.precision``).
+        accumulate_grad_batches: ``trainer.accumulate_grad_batches``.
+        optimizers_factory: ``factory(fake_module) -> optimizer``; default: the module's ``configure_optimizers``.
+        gradient_checkpointing: Turn checkpointing on in the copy (False keeps the module's own setting).
+        device: Device to estimate for; default the module's.
+        steps: Optimizer steps to estimate; 3 covers the callback's default window.
+    """
+    return estimate(
+        pl_module,
+        batch,
+        optimizer_factory=optimizers_factory,
+        precision=precision,
+        accumulate_grad_batches=accumulate_grad_batches,
+        gradient_checkpointing=gradient_checkpointing,
+        device=device if device is not None else _module_device(pl_module),
+        steps=steps,
+    )
+
+
+# ------------------------------------------------------------------------------------------------ devices
+def _module_device(module: nn.Module) -> torch.device:
+    return next((t.device for t in module.parameters()), torch.device("cpu"))
+
+
+def _target_device(module: nn.Module, device: torch.device | str | None) -> torch.device:
+    if device is not None:
+        target = torch.device(device)
+    else:
+        target = _module_device(module)
+        if target.type == "meta":
+            target = torch.device("cuda")
+    if target.type not in ("cpu", "cuda"):
+        raise ValueError(f"the estimate supports cpu and cuda targets, not {target.type}")
+    return target
+
+
+def _devices(module: nn.Module, device: torch.device | str | None) -> tuple[torch.device, torch.device]:
+    """The target device, and the device of the fake tensors (CPU stands in for CUDA on a machine without it)."""
+    target = _target_device(module, device)
+    fake_device = target if target.type == "cpu" or torch.cuda.is_available() else torch.device("cpu")
+    if fake_device.type == "cuda" and fake_device.index is None:
+        fake_device = torch.device("cuda", torch.cuda.current_device())
+    return target, fake_device
+
+
+# ------------------------------------------------------------------------------------------------ the model
+def _is_lightning_module(module: nn.Module) -> bool:
+    try:
+        import lightning.pytorch as pl
+    except ImportError:  # pragma: no cover - lightning is a dependency
+        return False
+    return isinstance(module, pl.LightningModule)
+
+
+def _enable_gradient_checkpointing(model: nn.Module) -> None:
+    for sub in model.modules():
+        enable = getattr(sub, "activation_checkpointing_enable", None)  # transformers >= 5
+        if callable(enable):
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            enable = getattr(sub, "gradient_checkpointing_enable", None)
+            if callable(enable):
+                enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if callable(enable):
+            config = getattr(sub, "config", None)
+            if config is not None and hasattr(config, "use_cache"):
+                config.use_cache = False
+            return
+    raise ValueError(
+        f"{type(model).__name__} has no gradient_checkpointing_enable(): enable checkpointing in the module"
+    )
+
+
+def _checkpointing_on(model: nn.Module) -> bool:
+    return any(getattr(sub, "gradient_checkpointing", False) is True for sub in model.modules())
+
+
+# ------------------------------------------------------------------------------------------------ the optimizer
+def _first_optimizer(configured: Any) -> torch.optim.Optimizer:
+    """The optimizer out of whatever ``configure_optimizers`` returned."""
+    if isinstance(configured, torch.optim.Optimizer):
+        return configured
+    if isinstance(configured, Mapping):
+        return _first_optimizer(configured.get("optimizer"))
+    if isinstance(configured, (list, tuple)) and configured:
+        return _first_optimizer(configured[0])
+    optimizer = getattr(configured, "optimizer", None)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    raise ValueError(f"no optimizer in what configure_optimizers returned ({type(configured).__name__})")
+
+
+def _build_optimizer(
+    model: nn.Module,
+    mode: Any,
+    target: torch.device,
+    optimizer_factory: Callable[[nn.Module], Any] | None,
+    lightning: bool,
+) -> torch.optim.Optimizer:
+    """The optimizer on the fake parameters: the factory's, the LightningModule's, or AdamW(lr=1e-3)."""
+    with mode:
+        if optimizer_factory is not None:
+            optimizer = _first_optimizer(optimizer_factory(model))
+        elif lightning:
+            optimizer = _first_optimizer(model.configure_optimizers())
+        else:
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if target.type == "cuda":
+        # torch picks foreach kernels for plain CUDA tensors only; fake tensors would get the single-tensor path.
+        _use_cuda_defaults(optimizer)
+    if lightning and not getattr(model, "automatic_optimization", True):
+        raise ValueError("manual optimization is not supported by the estimate: use automatic optimization")
+    return optimizer
+
+
+def _use_cuda_defaults(optimizer: torch.optim.Optimizer) -> None:
+    """Where CUDA would default to foreach kernels, use them on the stand-in CPU tensors too."""
+    for group in optimizer.param_groups:
+        if "foreach" in group and group["foreach"] is None and not group.get("fused"):
+            group["foreach"] = True
+
+
+def _steps_on_host(optimizer: torch.optim.Optimizer) -> bool:
+    return not any(g.get("capturable") or g.get("fused") for g in optimizer.param_groups)
+
+
+def _step_tensors(optimizer: torch.optim.Optimizer) -> dict[int, torch.UntypedStorage]:
+    steps: list[Tensor] = []
+    for state in optimizer.state.values():
+        value = state.get("step") if isinstance(state, Mapping) else None
+        if isinstance(value, Tensor):
+            steps.append(value)
+    return unique_storages(steps)
+
+
+def _without_host_steps(records: list[PhaseRecord], optimizer: torch.optim.Optimizer) -> list[PhaseRecord]:
+    """On CUDA, Adam's ``step`` scalars are host tensors: take them out of the stand-in CPU measurement."""
+    if not _steps_on_host(optimizer):
+        return records
+    host = sum(s.nbytes() for s in _step_tensors(optimizer).values())
+    if host == 0:
+        return records
+    out = []
+    seen = False
+    for record in records:
+        if not seen and record.optimizer_state_bytes >= host and record.phase == Phase.AFTER_OPTIMIZER_STEP:
+            seen = True
+        if seen:
+            record = dataclasses.replace(
+                record,
+                allocated_bytes=record.allocated_bytes - host,
+                reserved_bytes=record.reserved_bytes - host,
+                peak_bytes=record.peak_bytes - host,
+                optimizer_state_bytes=record.optimizer_state_bytes - host,
+            )
+        out.append(record)
+    return out

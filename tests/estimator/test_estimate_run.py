@@ -1,0 +1,147 @@
+"""The estimate on fake tensors against MemTrace's measurement of real CPU runs (``estimator.run``, ``estimator.loop``)."""
+
+from __future__ import annotations
+
+import math
+
+import lightning.pytorch as pl
+import pandas as pd
+import pytest
+import torch
+from estimate_checks import (
+    MLP_PARAM_BYTES,
+    TINY_PARAM_BYTES,
+    TINY_PARAM_TENSORS,
+    check_against_real,
+    real_run,
+)
+from lm_helpers import MLP, TinyLM, trainer
+
+from lightning_memtrace import MemTrace, load_phases
+from lightning_memtrace.estimator import Estimate, InputSpec, estimate, estimate_for_module
+from lightning_memtrace.capture.tracker import AllocationTracker
+
+
+def test_causal_lm_matches_real_run(lm_pair):
+    phases, est, module = lm_pair
+    peaks = check_against_real(est, phases)
+    rows = est.to_dataframe()
+    assert (rows.parameters_bytes == TINY_PARAM_BYTES).all()
+    assert len(list(module.parameters())) == TINY_PARAM_TENSORS
+    after_step = rows[rows.phase == "after_optimizer_step"]
+    assert (after_step.optimizer_state_bytes == 2 * TINY_PARAM_BYTES + 4 * TINY_PARAM_TENSORS).all()
+    assert (after_step.gradients_bytes == TINY_PARAM_BYTES).all()
+    assert (rows.inputs_bytes == 4 * 64 * 8).all()
+    # Lightning's order: gradients of the previous step alive through the next forward, none at step 0
+    first = rows[rows.step == 0].set_index("phase")
+    second = rows[rows.step == 1].set_index("phase")
+    assert first.loc["after_forward", "gradients_bytes"] == 0
+    assert second.loc["after_forward", "gradients_bytes"] == TINY_PARAM_BYTES
+    # the activations autograd saved are the real run's, to the byte
+    real_acts = phases[phases.phase == "after_forward"].activations_bytes.max()
+    assert second.loc["after_forward", "activations_bytes"] == real_acts > 1_000_000
+    # the peak of the steady step is in the forward (activations + last step's gradients)
+    assert est.peak_record.phase.value == "after_forward"
+    assert peaks.error_percent.abs().max() < 0.01  # in practice within a few bytes
+    assert est.peak_bytes == phases.peak_bytes.max()
+    cf = est.closed_form
+    assert (cf.parameters_bytes, cf.gradients_bytes, cf.optimizer_state_bytes, cf.step_tensor_bytes) == (
+        TINY_PARAM_BYTES,
+        TINY_PARAM_BYTES,
+        2 * TINY_PARAM_BYTES,
+        4 * TINY_PARAM_TENSORS,
+    )
+    assert cf.parameter_count == 3_428_608
+
+
+def test_mlp_matches_real_run_byte_for_byte_with_accumulation(tmp_path):
+    phases = real_run(tmp_path, MLP(), accumulate_grad_batches=2)
+    module = MLP()
+    est = estimate_for_module(module, next(iter(module.train_dataloader())), accumulate_grad_batches=2, steps=3)
+    check_against_real(est, phases)
+    rows = est.to_dataframe()
+    assert len(rows[rows.phase == "after_optimizer_step"]) == 3 and len(rows[rows.phase == "batch_start"]) == 6
+    assert (rows.parameters_bytes == MLP_PARAM_BYTES).all()
+    assert rows.optimizer_state_bytes.max() == 2 * MLP_PARAM_BYTES + 4 * 6
+    # accumulation: no zero_grad on the stepping batch, gradients alive across the window
+    assert (rows[(rows.batch_idx % 2 == 1)].gradients_bytes == MLP_PARAM_BYTES).all()
+    merged = pd.merge(rows, phases, on=["step", "batch_idx", "phase"], suffixes=("_e", "_r"))
+    assert (merged.peak_bytes_e == merged.peak_bytes_r).all()  # exact on a plain MLP
+
+
+def test_gradient_checkpointing_with_bf16_mixed_matches_real_run(tmp_path):
+    module = TinyLM(batch_size=2, seq_len=64, gradient_checkpointing=True)
+    phases = real_run(tmp_path, module, max_steps=2, precision="bf16-mixed")
+    plain_module = TinyLM(batch_size=2, seq_len=64)
+    batch = next(iter(plain_module.train_dataloader()))
+    est = estimate_for_module(plain_module, batch, precision="bf16-mixed", gradient_checkpointing=True, steps=2)
+    assert est.gradient_checkpointing and est.precision == "bf16-mixed"
+    peaks = check_against_real(est, phases)
+    assert peaks.error_percent.abs().max() < 0.01  # autocast without its weight cache, as Lightning runs it
+    plain = estimate_for_module(plain_module, batch, precision="bf16-mixed", steps=2)
+    acts = est.category_bytes("after_forward")
+    assert 0 < acts["activations"] < plain.category_bytes("after_forward")["activations"] / 2
+    assert est.peak_bytes < plain.peak_bytes
+
+
+def test_estimate_leaves_the_module_alone_and_allocates_nothing_real():
+    module = MLP()
+    before = {name: p.detach().clone() for name, p in module.named_parameters()}
+    batch = (InputSpec((1_000_000, 32)), InputSpec((1_000_000, 1)))
+    with AllocationTracker("cpu") as outer:  # a running MemTrace does not see the estimate
+        est = estimate(module, batch, training_step=lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]))
+    assert outer.peak < 1_000_000
+    # one million samples: the forward alone is about 1.1 GB of activations, none of it real
+    assert est.category_bytes("after_forward")["activations"] > 1_000_000_000
+    for name, p in module.named_parameters():
+        assert p.grad is None and torch.equal(p, before[name]) and type(p) is torch.nn.Parameter
+    assert est.closed_form.parameters_bytes == MLP_PARAM_BYTES
+
+
+def test_plain_module_with_optimizer_factory_and_bad_inputs():
+    model = torch.nn.Linear(8, 4)
+    est = estimate(
+        model,
+        torch.empty(3, 8, device="meta"),
+        optimizer_factory=lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+        device="cpu",
+    )
+    assert est.optimizer == "SGD"
+    assert est.category_bytes()["optimizer_state"] == (8 * 4 + 4) * 4
+    assert est.batch_size == 3
+    with pytest.raises(ValueError, match="precision"):
+        estimate(model, torch.empty(3, 8), precision="8-bit")
+    with pytest.raises(ValueError, match="gradient_checkpointing_enable"):
+        estimate(model, torch.empty(3, 8), gradient_checkpointing=True)
+    assert not math.isnan(est.seconds)
+
+
+class _EstimateAtFirstBatch(pl.Callback):
+    """What ``MemTrace(estimate=True)`` does: estimate from the real module and first batch, inside the real run."""
+
+    def __init__(self) -> None:
+        self.estimate: Estimate | None = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.estimate is None:
+            self.estimate = estimate_for_module(
+                pl_module,
+                batch,
+                precision=trainer.precision,
+                accumulate_grad_batches=trainer.accumulate_grad_batches,
+                steps=3,
+            )
+
+
+def test_estimate_inside_a_running_fit_does_not_disturb_the_measurement(tmp_path):
+    reference = real_run(tmp_path / "plain", MLP())
+    callback, probe = MemTrace(history=False, allocation_backend="dispatch"), _EstimateAtFirstBatch()
+    module = MLP()
+    # after MemTrace: its tracker is running and its saved-tensor hooks are pushed when the estimate runs
+    trainer(tmp_path / "probed", [callback, probe], max_steps=3).fit(module)
+    phases = load_phases(callback.output_dir)
+    columns = [c for c in phases.columns if c.endswith("_bytes")]
+    assert (phases[columns].to_numpy() == reference[columns].to_numpy()).all()
+    assert probe.estimate is not None and probe.estimate.precision == "32-true"
+    check_against_real(probe.estimate, phases)
+    assert all(type(p) is torch.nn.Parameter for p in module.parameters())
