@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from lightning_memtrace.replay import replay
+from lightning_memtrace.analysis.replay import replay
 from lightning_memtrace.report import downsample_rows, load_source, write_report
-from lightning_memtrace.snapshot_loader import SnapshotError, load_snapshot
+from lightning_memtrace.analysis.loader import SnapshotError, load_snapshot
 
 SNAPSHOTS = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "snapshots"
 ALL_FIXTURES = [

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_memtrace.snapshot_loader import Snapshot, SnapshotError, load_snapshot, normalize
+from lightning_memtrace.analysis.loader import Snapshot, SnapshotError, load_snapshot, normalize
 
 SNAPSHOTS = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "snapshots"
 
@@ -211,7 +211,7 @@ def test_truncated_directory_missing_and_size_limit(tmp_path: Path) -> None:
 
 
 def test_progress_callback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import lightning_memtrace.snapshot_loader as loader
+    import lightning_memtrace.analysis.loader as loader
 
     monkeypatch.setattr(loader, "PROGRESS_THRESHOLD_BYTES", 1)
     monkeypatch.setattr(loader, "_CHUNK", 4096)

@@ -22,6 +22,7 @@ from lightning.pytorch.callbacks.callback import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_memtrace.counters import allocator_has_counters
+from lightning_memtrace.files import MEMTRACE_DIR, PHASES_GLOB, phases_filename
 from lightning_memtrace.recorder import MemoryRecorder
 from lightning_memtrace.tracker import is_out_of_memory
 from lightning_memtrace.types import COUNTERS, Phase, PhaseRecord
@@ -354,7 +355,7 @@ class MemTrace(Callback):
         else:
             # trainer.log_dir broadcasts across ranks: resolve it here, where every rank is, never in on_exception.
             log_dir = trainer.log_dir or trainer.default_root_dir
-            self.output_dir = Path(log_dir) / "memtrace"
+            self.output_dir = Path(log_dir) / MEMTRACE_DIR
 
     @override
     @_guarded
@@ -592,13 +593,13 @@ class MemTrace(Callback):
 
     def _write_estimate_comparison(self) -> None:
         estimate, folder = self.estimated, self.output_dir
-        if not estimate or folder is None or not any(folder.glob(f"phases_rank{self._rank}.csv")):
+        if not estimate or folder is None or not any(folder.glob(phases_filename(self._rank))):
             return
         from lightning_memtrace.estimator import compare_estimate, comparison_path, write_comparison_csv
-        from lightning_memtrace.phases_csv import load_phases
+        from lightning_memtrace.analysis.phases import load_phases
 
         try:
-            phases = load_phases(folder / f"phases_rank{self._rank}.csv")
+            phases = load_phases(folder / phases_filename(self._rank))
             self.estimate_comparison = compare_estimate(estimate, phases)
             write_comparison_csv(self.estimate_comparison, comparison_path(folder, self._rank))
         except Exception as error:
@@ -606,7 +607,7 @@ class MemTrace(Callback):
 
     def _write_report(self, trainer: pl.Trainer) -> None:
         folder = self.output_dir
-        if folder is None or not folder.is_dir() or not any(folder.glob("phases_rank*.csv")):
+        if folder is None or not folder.is_dir() or not any(folder.glob(PHASES_GLOB)):
             return
         from lightning_memtrace.report import write_report
 

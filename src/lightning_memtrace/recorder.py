@@ -34,8 +34,10 @@ from lightning_memtrace import cuda_history
 from lightning_memtrace.atomic import atomic_write_pickle, atomic_write_text
 from lightning_memtrace.categories import CategoryCounter, SavedTensorsRecorder, input_storages, normalize_device
 from lightning_memtrace.counters import MemoryCounters, TrackerCounters, allocator_counters
-from lightning_memtrace.phases_csv import PhaseCsvWriter, phases_filename
-from lightning_memtrace.postmortem import LiveBlock, PostMortem, largest_blocks_from_snapshot, render_post_mortem
+from lightning_memtrace.analysis.postmortem import LiveBlock, PostMortem, largest_blocks_from_snapshot, render_post_mortem
+from lightning_memtrace.capture.phases_writer import PhaseCsvWriter
+from lightning_memtrace.files import oom_basename, phases_filename, step_snapshot_filename, window_snapshot_filename
+from lightning_memtrace.schema import HEADER_KEY, build_header, format_tag
 from lightning_memtrace.tracker import (
     AllocationTracker,
     OutOfMemoryEvent,
@@ -45,7 +47,6 @@ from lightning_memtrace.tracker import (
 )
 from lightning_memtrace.types import STAGE_AFTER_PHASE, Category, Phase, PhaseRecord, Stage
 
-SNAPSHOT_FORMAT = 1
 #: Deferred rows (see :meth:`MemoryRecorder.flush`) are read at the end of every training batch, and during
 #: validation once this many are waiting or this many seconds have passed.
 _DEFERRED_ROWS_MAX = 256
@@ -533,7 +534,7 @@ class MemoryRecorder:
 
     def _set_stage(self, stage: Stage) -> None:
         self.stage = stage
-        metadata = f"phase={stage.value} step={self.step}"
+        metadata = format_tag(stage, self.step)
         if self.tracker is not None:
             self.tracker.set_stage(stage.value, metadata)
         if self._window is not None and self.device.type == "cuda":
@@ -635,21 +636,19 @@ class MemoryRecorder:
     def _memtrace_metadata(self, first: int, last: int, since_us: int) -> dict[str, Any]:
         self._sync()
         classified = self._adopt_known()
-        return {
-            "format": SNAPSHOT_FORMAT,
-            "producer": "lightning_memtrace",
-            "device": str(self.device),
-            "rank": self.rank,
-            "steps": [first, last],
-            "allocated_bytes": (
+        return build_header(
+            device=str(self.device),
+            rank=self.rank,
+            steps=(first, last),
+            allocated_bytes=(
                 self.tracker.counters()[0] if self.tracker is not None else _cuda_allocated(self.device)
             ),
-            "allocated_at_start_bytes": self._window_start_allocated if self.tracker is not None else None,
-            "categories": {c.value: v for c, v in CategoryCounter.totals(classified).items()},
-            "phases": [
+            allocated_at_start_bytes=self._window_start_allocated if self.tracker is not None else None,
+            categories={c.value: v for c, v in CategoryCounter.totals(classified).items()},
+            phases=[
                 {"step": step, "phase": phase, "time_us": t} for step, phase, t in self.phase_marks if t >= since_us
             ],
-        }
+        )
 
     def _close_window(self) -> Path | None:
         window, self._window = self._window, None
@@ -660,14 +659,14 @@ class MemoryRecorder:
         last = max(first, min(planned_last, self.step))
         try:
             snapshot = self._snapshot_now(since_us)
-            snapshot["memtrace"] = self._memtrace_metadata(first, last, since_us)
+            snapshot[HEADER_KEY] = self._memtrace_metadata(first, last, since_us)
         finally:
             if self.tracker is not None:
                 self.tracker.record_history(False)
             elif self.device.type == "cuda":
                 cuda_history.set_allocation_metadata("")
                 cuda_history.stop_cuda_history()
-        return self._write_snapshot(f"snapshot_rank{self.rank}_steps{first}-{last}.pickle", snapshot)
+        return self._write_snapshot(window_snapshot_filename(self.rank, first, last), snapshot)
 
     def _write_snapshot(self, name: str, snapshot: dict[str, Any], rotate: bool = True) -> Path | None:
         if not self._outputs_ok or self.output_dir is None:
@@ -692,8 +691,8 @@ class MemoryRecorder:
     def write_snapshot(self, name: str | None = None) -> Path | None:
         """Write the current state (and the history the ring buffer holds) as a snapshot pickle now."""
         snapshot = self._snapshot_now()
-        snapshot["memtrace"] = self._memtrace_metadata(self.step, self.step, 0)
-        return self._write_snapshot(name or f"snapshot_rank{self.rank}_step{self.step}.pickle", snapshot)
+        snapshot[HEADER_KEY] = self._memtrace_metadata(self.step, self.step, 0)
+        return self._write_snapshot(name or step_snapshot_filename(self.rank, self.step), snapshot)
 
     # ------------------------------------------------------------------------------------------------ OOM
     def _live_blocks(self, limit: int = 10) -> list[LiveBlock]:
@@ -774,10 +773,10 @@ class MemoryRecorder:
             device_free_bytes=state.get("device_free"),
         )
         snapshot = state.get("snapshot") or self._snapshot_now()
-        snapshot["memtrace"] = self._memtrace_metadata(pm.step, pm.step, 0)
-        snapshot["memtrace"]["post_mortem"] = pm.as_dict()
+        snapshot[HEADER_KEY] = self._memtrace_metadata(pm.step, pm.step, 0)
+        snapshot[HEADER_KEY]["post_mortem"] = pm.as_dict()
         paths = []
-        base = f"oom_rank{self.rank}_step{pm.step}"
+        base = oom_basename(self.rank, pm.step)
         pickle_path = self._write_snapshot(base + ".pickle", snapshot, rotate=False)
         if pickle_path is not None:
             paths.append(pickle_path)

@@ -31,7 +31,7 @@ from lightning_memtrace.allocator_reports import (
     track_every_cpu_block,
     unavailable_reason,
 )
-from lightning_memtrace.frames import Frame, capture_frames, traceback_frames
+from lightning_memtrace.capture.frames import Frame, capture_frames, traceback_frames
 from lightning_memtrace.types import Category
 
 _ALLOC, _FREE, _OOM = 0, 1, 2

@@ -9,7 +9,8 @@ from typing import Any
 
 import pandas as pd
 
-from lightning_memtrace.replay import CATEGORY_LABELS, Replay
+from lightning_memtrace.analysis.model import Replay
+from lightning_memtrace.types import CATEGORY_LABELS
 from lightning_memtrace.units import format_bytes
 
 

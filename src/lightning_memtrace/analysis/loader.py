@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lightning_memtrace.schema import read_header
 from lightning_memtrace.units import format_bytes
 
 #: Default cap on the bytes read (and, for gzip and HTML, decompressed/decoded) from one snapshot file.
@@ -100,8 +101,7 @@ class Snapshot:
     @property
     def memtrace(self) -> dict[str, Any] | None:
         """MemTrace's own header (``format``, ``device``, ``rank``, ``steps``, ``phases``...), or None."""
-        value = self.data.get("memtrace")
-        return value if isinstance(value, dict) else None
+        return read_header(self.data)
 
     @property
     def external_annotations(self) -> list[dict[str, Any]]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from lightning_memtrace.frames import Frame, format_frame, user_frame
-from lightning_memtrace.types import Category, Stage
+from lightning_memtrace.analysis.frames import format_frame, user_frame
+from lightning_memtrace.types import Category, Frame, Stage
 from lightning_memtrace.units import format_bytes, format_bytes_exact
 
 
