@@ -16,14 +16,14 @@ _EXPORTS = {
     "MemTraceWarning": "lightning_memtrace.recorder",
     "AllocationTracker": "lightning_memtrace.tracker",
     "is_out_of_memory": "lightning_memtrace.tracker",
-    "load_phases": "lightning_memtrace.phases_csv",
+    "load_phases": "lightning_memtrace.analysis.phases",
     "Category": "lightning_memtrace.types",
     "Phase": "lightning_memtrace.types",
     "PhaseRecord": "lightning_memtrace.types",
     "Stage": "lightning_memtrace.types",
     "write_report": "lightning_memtrace.report",
-    "load_snapshot": "lightning_memtrace.snapshot_loader",
-    "SnapshotError": "lightning_memtrace.snapshot_loader",
+    "load_snapshot": "lightning_memtrace.analysis.loader",
+    "SnapshotError": "lightning_memtrace.analysis.loader",
     "estimate": "lightning_memtrace.estimator",
     "estimate_for_module": "lightning_memtrace.estimator",
     "estimate_from_config": "lightning_memtrace.estimator",
@@ -48,10 +48,10 @@ if TYPE_CHECKING:
         estimate_from_config,
         find_max_batch,
     )
-    from lightning_memtrace.phases_csv import load_phases
+    from lightning_memtrace.analysis.phases import load_phases
     from lightning_memtrace.recorder import MemoryRecorder, MemTraceWarning
     from lightning_memtrace.report import write_report
-    from lightning_memtrace.snapshot_loader import SnapshotError, load_snapshot
+    from lightning_memtrace.analysis.loader import SnapshotError, load_snapshot
     from lightning_memtrace.tracker import AllocationTracker, is_out_of_memory
     from lightning_memtrace.types import Category, Phase, PhaseRecord, Stage
 

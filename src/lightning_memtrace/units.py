@@ -43,3 +43,8 @@ def parse_bytes(text: str) -> int:
         if lower.endswith(suffix):
             return int(float(s[: -len(suffix)]) * factors[suffix])
     return int(float(s))
+
+
+def percent(part: int | float, whole: int | float) -> float:
+    """``part`` as a percent of ``whole`` (0 when ``whole`` is 0)."""
+    return 100.0 * part / whole if whole else 0.0

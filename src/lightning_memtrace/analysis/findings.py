@@ -10,8 +10,9 @@ from typing import Any
 import pandas as pd
 
 from lightning_memtrace.analysis.model import Replay
-from lightning_memtrace.types import CATEGORY_LABELS
-from lightning_memtrace.units import format_bytes
+from lightning_memtrace.schema import header_is_cpu, header_steps
+from lightning_memtrace.types import ROW_CATEGORIES, STAGES, Stage, category_label
+from lightning_memtrace.units import format_bytes, percent
 
 
 class Severity(str, Enum):
@@ -54,30 +55,189 @@ _ADVICE = {
     "other": "look at the largest allocation sites below",
 }
 
-_STAGE_WORDS = {
-    "forward": "forward",
-    "backward": "backward",
-    "optimizer_step": "the optimizer step",
-    "zero_grad": "zero_grad",
-    "init": "model set-up",
-    "after_step": "the end of the step",
-    "validation": "validation",
-    "outside": "outside a training pass",
-}
-
-
-def _pct(part: int, whole: int) -> float:
-    return 100.0 * part / whole if whole else 0.0
-
-
 def _function_note(row: pd.Series) -> str:
     site, function = str(row["site"]), str(row["function"])
     return "" if site == function else f" ({function})"
 
 
 def _where(stage: str, step: int) -> str:
-    words = _STAGE_WORDS.get(stage, stage)
+    words = Stage(stage).words if stage in STAGES else stage
     return f"in {words} of step {step}" if step >= 0 else f"in {words}"
+
+
+def _inferred_note(replay: Replay) -> str:
+    peak = replay.main.peak
+    total = peak.live_bytes
+    if not replay.is_memtrace and replay.inferred:
+        return " (categories inferred from stack frames)"
+    if peak.inferred_bytes > 0 and total > 0:
+        return f" ({percent(peak.inferred_bytes, total):.0f}% of these bytes categorised by inference)"
+    return ""
+
+
+def peak_finding(replay: Replay) -> list[Finding]:
+    """Where the peak is, its three largest categories and what lowers the largest (``empty`` when nothing is live)."""
+    peak = replay.main.peak
+    total = peak.live_bytes
+    if not peak.by_category:
+        if total == 0:
+            return [Finding("empty", "the snapshot holds no live allocation and no trace", Severity.INFO, {"peak_bytes": 0})]
+        return []
+    top_cat, top_bytes = next(iter(peak.by_category.items()))
+    parts = ", ".join(
+        f"{category_label(c)} {percent(b, total):.0f}% ({format_bytes(b)})" for c, b in list(peak.by_category.items())[:3]
+    )
+    where = _where(peak.stage, peak.step) if peak.index >= 0 else "at dump time"
+    message = (
+        f"peak {format_bytes(total)} ({total:,} B) {where}: {parts}; "
+        f"the largest share is {category_label(top_cat)}: "
+        f"{_ADVICE.get(top_cat, _ADVICE['other'])}{_inferred_note(replay)}"
+    )
+    numbers = {
+        "peak_bytes": total,
+        "stage": peak.stage,
+        "step": peak.step,
+        "top_category": top_cat,
+        "top_bytes": int(top_bytes),
+        "by_category": dict(peak.by_category),
+    }
+    return [Finding("peak", message, Severity.INFO, numbers)]
+
+
+def stale_gradients_finding(replay: Replay) -> list[Finding]:
+    """The previous step's gradients alive during forward (over 1% of the peak)."""
+    main = replay.main
+    tl = main.timeline
+    if not len(tl) or not main.allocations["category"].isin(["gradients"]).any():
+        return []
+    fwd_rows = (tl["phase"] == "forward").to_numpy().nonzero()[0]
+    if not len(fwd_rows):
+        return []
+    series = main.category_series(fwd_rows, categories=["gradients"])
+    if "gradients" not in series:
+        return []
+    grads = series["gradients"]
+    best = int(grads.max())
+    if best <= 0.01 * max(main.peak.live_bytes, 1):
+        return []
+    row = int(grads.idxmax())
+    step = int(tl["step"].iat[row])
+    message = (
+        f"the previous step's gradients, {format_bytes(best)} ({best:,} B), are alive during "
+        f"forward{f' of step {step}' if step >= 0 else ''}: call "
+        "optimizer.zero_grad(set_to_none=True) right after optimizer.step() (Lightning does by "
+        "default) to free them before the next forward"
+    )
+    return [Finding("stale_gradients", message, Severity.WARNING, {"gradients_bytes": best, "row": row, "step": step})]
+
+
+def fragmentation_finding(replay: Replay) -> list[Finding]:
+    """Reserved beyond allocated at the peak: a warning from 20%, a note from 5% (CUDA only)."""
+    main = replay.main
+    total = main.peak.live_bytes
+    if not main.reserved_known or header_is_cpu(replay.memtrace) or total <= 0:
+        return []
+    reserved = max(main.peak.reserved_bytes, 0)
+    if reserved <= total:
+        return []
+    extra = reserved - total
+    ratio = extra / total
+    numbers = {"reserved_bytes": reserved, "allocated_bytes": total, "extra_bytes": extra, "ratio": ratio}
+    if ratio >= 0.2:
+        hint = (
+            "expandable_segments is already on: fewer distinct tensor sizes (padding, bucketing) helps"
+            if bool(replay.allocator_settings.get("expandable_segments", False))
+            else "try PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+        )
+        message = (
+            f"reserved exceeds allocated by {ratio * 100:.0f}% at the peak ({format_bytes(reserved)} "
+            f"reserved, {format_bytes(total)} allocated, {format_bytes(extra)} cached but unused): {hint}"
+        )
+        return [Finding("fragmentation", message, Severity.WARNING, numbers)]
+    if ratio >= 0.05:
+        message = (
+            f"reserved exceeds allocated by {ratio * 100:.0f}% at the peak ({format_bytes(reserved)} "
+            f"reserved for {format_bytes(total)} allocated): little fragmentation"
+        )
+        return [Finding("reserved", message, Severity.INFO, numbers)]
+    return []
+
+
+def top_site_findings(replay: Replay, max_sites: int = 1) -> list[Finding]:
+    """The largest allocation sites at the peak (pre-existing blocks have their own finding)."""
+    peak = replay.main.peak
+    total = peak.live_bytes
+    sites = peak.sites
+    if total <= 0 or not len(sites):
+        return []
+    sites = sites[sites["category"] != "pre_existing"]
+    out = []
+    for _, row in sites.head(max_sites).iterrows():
+        b = int(row["bytes"])
+        message = (
+            f"{row['site']}{_function_note(row)} holds {format_bytes(b)} ({b:,} B) in {int(row['count']):,} "
+            f"allocation(s) at the peak, {percent(b, total):.0f}% of it ({category_label(row['category'])})"
+        )
+        out.append(Finding("top_site", message, Severity.INFO, {"site": str(row["site"]), "bytes": b, "count": int(row["count"])}))
+    return out
+
+
+def pre_existing_finding(replay: Replay) -> list[Finding]:
+    """Bytes already live when the trace (or MemTrace's window) began."""
+    main = replay.main
+    total = main.peak.live_bytes
+    if main.seed_bytes <= 0 or total <= 0 or not len(main.timeline):
+        return []
+    share = f"{format_bytes(main.seed_bytes)} ({main.seed_bytes:,} B, {percent(main.seed_bytes, total):.0f}% of the peak)"
+    if replay.is_memtrace:
+        steps = header_steps(replay.memtrace)
+        window = f" (steps {steps[0]}-{steps[1]})" if steps is not None else ""
+        message = f"{share} was already allocated when this snapshot's window{window} began"
+    else:
+        message = (
+            f"{share} was allocated before recording began (taken from the snapshot's segments); call "
+            "torch.cuda.memory._record_memory_history() before building the model to see what it is"
+        )
+        grads = int(main.peak.by_category.get("gradients", 0))
+        if grads and abs(grads - main.seed_bytes) <= 0.01 * grads:
+            message += f" (it is the size of the gradients, {format_bytes(grads)}: most likely the parameters)"
+    return [Finding("pre_existing", message, Severity.INFO, {"seed_bytes": main.seed_bytes})]
+
+
+def unknown_frees_finding(replay: Replay) -> list[Finding]:
+    """Frees of allocations the trace never saw."""
+    count = replay.main.unknown_frees
+    if not count:
+        return []
+    message = (
+        f"{count} free(s) of allocations made before the trace began (recording started late or "
+        "its ring buffer dropped them): counted as pre-existing"
+    )
+    return [Finding("unknown_frees", message, Severity.INFO, {"unknown_frees": count})]
+
+
+def oom_findings(replay: Replay) -> list[Finding]:
+    """The first three out-of-memory events of the trace."""
+    tl = replay.main.timeline
+    out = []
+    for row in replay.main.oom_rows[:3]:
+        size = int(tl["size"].iat[row])
+        live = int(tl["live_bytes"].iat[row])
+        message = (
+            f"out of memory {_where(str(tl['phase'].iat[row]), int(tl['step'].iat[row]))}: {format_bytes(size)} "
+            f"({size:,} B) requested with {format_bytes(live)} live"
+        )
+        out.append(Finding("oom", message, Severity.WARNING, {"requested_bytes": size, "live_bytes": live, "row": row}))
+    return out
+
+
+def devices_finding(replay: Replay) -> list[Finding]:
+    """Several devices in one snapshot: their peaks, and which one the report shows."""
+    if len(replay.devices) <= 1:
+        return []
+    peaks = ", ".join(f"device {d}: {format_bytes(r.peak.live_bytes)}" for d, r in sorted(replay.devices.items()))
+    message = f"{len(replay.devices)} devices in the snapshot ({peaks}); the report shows device {replay.main.device}"
+    return [Finding("devices", message, Severity.INFO, {"devices": sorted(replay.devices)})]
 
 
 def compute_findings(replay: Replay, phases: pd.DataFrame | None = None, max_sites: int = 1) -> list[Finding]:
@@ -89,186 +249,19 @@ def compute_findings(replay: Replay, phases: pd.DataFrame | None = None, max_sit
         max_sites: How many allocation sites to name.
 
     Returns:
-        Findings, most important first.
+        Findings, most important first: each rule above in turn.
     """
     out: list[Finding] = []
-    main = replay.main
-    peak = main.peak
-    total = peak.live_bytes
-    if not replay.is_memtrace and replay.inferred:
-        inferred = " (categories inferred from stack frames)"
-    elif peak.inferred_bytes > 0 and total > 0:
-        inferred = f" ({_pct(peak.inferred_bytes, total):.0f}% of these bytes categorised by inference)"
-    else:
-        inferred = ""
-    if peak.by_category:
-        top_cat, top_bytes = next(iter(peak.by_category.items()))
-        parts = ", ".join(
-            f"{CATEGORY_LABELS.get(c, c)} {_pct(b, total):.0f}% ({format_bytes(b)})"
-            for c, b in list(peak.by_category.items())[:3]
-        )
-        where = _where(peak.stage, peak.step) if peak.index >= 0 else "at dump time"
-        message = (
-            f"peak {format_bytes(total)} ({total:,} B) {where}: {parts}; "
-            f"the largest share is {CATEGORY_LABELS.get(top_cat, top_cat)}: "
-            f"{_ADVICE.get(top_cat, _ADVICE['other'])}{inferred}"
-        )
-        out.append(
-            Finding(
-                "peak",
-                message,
-                Severity.INFO,
-                {
-                    "peak_bytes": total,
-                    "stage": peak.stage,
-                    "step": peak.step,
-                    "top_category": top_cat,
-                    "top_bytes": int(top_bytes),
-                    "by_category": dict(peak.by_category),
-                },
-            )
-        )
-    elif total == 0:
-        out.append(
-            Finding("empty", "the snapshot holds no live allocation and no trace", Severity.INFO, {"peak_bytes": 0})
-        )
-
-    # Gradients of the previous step alive during forward.
-    tl = main.timeline
-    if len(tl) and main.allocations["category"].isin(["gradients"]).any():
-        fwd_rows = (tl["phase"] == "forward").to_numpy().nonzero()[0]
-        if len(fwd_rows):
-            series = main.category_series(fwd_rows, categories=["gradients"])
-            if "gradients" in series:
-                grads = series["gradients"]
-                best = int(grads.max())
-                if best > 0.01 * max(total, 1):
-                    row = int(grads.idxmax())
-                    step = int(tl["step"].iat[row])
-                    out.append(
-                        Finding(
-                            "stale_gradients",
-                            f"the previous step's gradients, {format_bytes(best)} ({best:,} B), are alive during "
-                            f"forward{f' of step {step}' if step >= 0 else ''}: call "
-                            "optimizer.zero_grad(set_to_none=True) right after optimizer.step() (Lightning does by "
-                            "default) to free them before the next forward",
-                            Severity.WARNING,
-                            {"gradients_bytes": best, "row": row, "step": step},
-                        )
-                    )
-
-    # Fragmentation: reserved beyond allocated at the peak.
-    device_kind = str((replay.memtrace or {}).get("device", "cuda"))
-    if main.reserved_known and not device_kind.startswith("cpu") and total > 0:
-        reserved = max(peak.reserved_bytes, 0)
-        if reserved > total:
-            extra = reserved - total
-            ratio = extra / total
-            expandable = bool(replay.allocator_settings.get("expandable_segments", False))
-            if ratio >= 0.2:
-                hint = (
-                    "expandable_segments is already on: fewer distinct tensor sizes (padding, bucketing) helps"
-                    if expandable
-                    else "try PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
-                )
-                out.append(
-                    Finding(
-                        "fragmentation",
-                        f"reserved exceeds allocated by {ratio * 100:.0f}% at the peak ({format_bytes(reserved)} "
-                        f"reserved, {format_bytes(total)} allocated, {format_bytes(extra)} cached but unused): {hint}",
-                        Severity.WARNING,
-                        {"reserved_bytes": reserved, "allocated_bytes": total, "extra_bytes": extra, "ratio": ratio},
-                    )
-                )
-            elif ratio >= 0.05:
-                out.append(
-                    Finding(
-                        "reserved",
-                        f"reserved exceeds allocated by {ratio * 100:.0f}% at the peak ({format_bytes(reserved)} "
-                        f"reserved for {format_bytes(total)} allocated): little fragmentation",
-                        Severity.INFO,
-                        {"reserved_bytes": reserved, "allocated_bytes": total, "extra_bytes": extra, "ratio": ratio},
-                    )
-                )
-
-    # Largest sites.
-    sites = peak.sites
-    if len(sites):
-        sites = sites[sites["category"] != "pre_existing"]  # covered by the pre_existing finding
-    for _, row in sites.head(max_sites).iterrows():
-        if total <= 0:
-            break
-        b = int(row["bytes"])
-        out.append(
-            Finding(
-                "top_site",
-                f"{row['site']}{_function_note(row)} holds "
-                f"{format_bytes(b)} ({b:,} B) in {int(row['count']):,} "
-                f"allocation(s) at the peak, {_pct(b, total):.0f}% of it "
-                f"({CATEGORY_LABELS.get(str(row['category']), row['category'])})",
-                Severity.INFO,
-                {"site": str(row["site"]), "bytes": b, "count": int(row["count"])},
-            )
-        )
-
-    # Recording started late.
-    if main.seed_bytes > 0 and total > 0 and len(tl):
-        share = (
-            f"{format_bytes(main.seed_bytes)} ({main.seed_bytes:,} B, {_pct(main.seed_bytes, total):.0f}% of the peak)"
-        )
-        if replay.is_memtrace:
-            steps = (replay.memtrace or {}).get("steps")
-            window = f" (steps {steps[0]}-{steps[1]})" if isinstance(steps, list) and len(steps) == 2 else ""
-            message = f"{share} was already allocated when this snapshot's window{window} began"
-        else:
-            message = (
-                f"{share} was allocated before recording began (taken from the snapshot's segments); call "
-                "torch.cuda.memory._record_memory_history() before building the model to see what it is"
-            )
-            grads = int(peak.by_category.get("gradients", 0))
-            if grads and abs(grads - main.seed_bytes) <= 0.01 * grads:
-                message += f" (it is the size of the gradients, {format_bytes(grads)}: most likely the parameters)"
-        out.append(Finding("pre_existing", message, Severity.INFO, {"seed_bytes": main.seed_bytes}))
-    if main.unknown_frees:
-        out.append(
-            Finding(
-                "unknown_frees",
-                f"{main.unknown_frees} free(s) of allocations made before the trace began (recording started late or "
-                "its ring buffer dropped them): counted as pre-existing",
-                Severity.INFO,
-                {"unknown_frees": main.unknown_frees},
-            )
-        )
-
-    # Out-of-memory events.
-    for row in main.oom_rows[:3]:
-        size = int(tl["size"].iat[row])
-        live = int(tl["live_bytes"].iat[row])
-        stage = str(tl["phase"].iat[row])
-        step = int(tl["step"].iat[row])
-        out.append(
-            Finding(
-                "oom",
-                f"out of memory {_where(stage, step)}: {format_bytes(size)} ({size:,} B) requested with "
-                f"{format_bytes(live)} live",
-                Severity.WARNING,
-                {"requested_bytes": size, "live_bytes": live, "row": row},
-            )
-        )
-
-    if len(replay.devices) > 1:
-        peaks = ", ".join(f"device {d}: {format_bytes(r.peak.live_bytes)}" for d, r in sorted(replay.devices.items()))
-        out.append(
-            Finding(
-                "devices",
-                f"{len(replay.devices)} devices in the snapshot ({peaks}); the report shows device {main.device}",
-                Severity.INFO,
-                {"devices": sorted(replay.devices)},
-            )
-        )
-
+    out += peak_finding(replay)
+    out += stale_gradients_finding(replay)
+    out += fragmentation_finding(replay)
+    out += top_site_findings(replay, max_sites)
+    out += pre_existing_finding(replay)
+    out += unknown_frees_finding(replay)
+    out += oom_findings(replay)
+    out += devices_finding(replay)
     if phases is not None and len(phases):
-        out.extend(phase_findings(phases))
+        out += phase_findings(phases)
     return out
 
 
@@ -281,12 +274,12 @@ def phase_findings(phases: pd.DataFrame) -> list[Finding]:
     peak = int(row["peak_bytes"])
     cats = {
         c: int(row[f"{c}_bytes"])
-        for c in ("parameters", "gradients", "optimizer_state", "activations", "inputs", "other")
+        for c in ROW_CATEGORIES
         if f"{c}_bytes" in row and int(row[f"{c}_bytes"]) > 0
     }
     allocated = int(row.get("allocated_bytes", 0))
     composition = ", ".join(
-        f"{CATEGORY_LABELS.get(c, c)} {format_bytes(b)}" for c, b in sorted(cats.items(), key=lambda kv: -kv[1])[:3]
+        f"{category_label(c)} {format_bytes(b)}" for c, b in sorted(cats.items(), key=lambda kv: -kv[1])[:3]
     )
     out.append(
         Finding(
@@ -301,83 +294,15 @@ def phase_findings(phases: pd.DataFrame) -> list[Finding]:
     return out
 
 
-#: A rank whose peak is more than this percent above the lowest rank's gets a warning.
-RANK_IMBALANCE_PERCENT = 5.0
-
-
-@dataclasses.dataclass(frozen=True)
-class RankImbalance:
-    """The spread of peaks across ranks: the highest rank's peak minus the lowest rank's.
-
-    Attributes:
-        peaks: Peak bytes per rank.
-        basis: Where the peaks come from (``snapshot replay`` or ``phases CSV``).
-        high_rank: The rank with the highest peak (the lowest such rank on ties).
-        low_rank: The rank with the lowest peak (the lowest such rank on ties).
-        high_bytes: Its peak.
-        low_bytes: Its peak.
-        imbalance_bytes: ``high_bytes - low_bytes``.
-        percent: ``imbalance_bytes`` as a percent of ``low_bytes``; None when ``low_bytes`` is 0.
-    """
-
-    peaks: dict[int, int]
-    basis: str
-    high_rank: int
-    low_rank: int
-    high_bytes: int
-    low_bytes: int
-    imbalance_bytes: int
-    percent: float | None
-
-    def sentence(self) -> str:
-        """E.g. ``rank 1 peaks 12.0 MiB (12,582,912 B, 8.0%) above rank 0 (160.0 MiB vs 148.0 MiB)``."""
-        if self.imbalance_bytes == 0:
-            return f"every rank peaks at {format_bytes(self.high_bytes)} ({self.high_bytes:,} B)"
-        pct = f", {self.percent:.1f}%" if self.percent is not None else ""
-        return (
-            f"rank {self.high_rank} peaks {format_bytes(self.imbalance_bytes)} ({self.imbalance_bytes:,} B{pct}) "
-            f"above rank {self.low_rank} ({format_bytes(self.high_bytes)} vs {format_bytes(self.low_bytes)})"
+def compute_findings_phases_only(phases: pd.DataFrame) -> list[Finding]:
+    """Findings when a log folder has the phases CSV but no snapshot."""
+    out = phase_findings(phases)
+    out.append(
+        Finding(
+            "no_snapshot",
+            "no snapshot in the folder: the timeline is drawn from the phases table only",
+            Severity.INFO,
+            {},
         )
-
-    @property
-    def exceeds(self) -> bool:
-        """Above :data:`RANK_IMBALANCE_PERCENT` (or any imbalance over a rank that peaks at 0 bytes)."""
-        if self.imbalance_bytes <= 0:
-            return False
-        return self.percent is None or self.percent > RANK_IMBALANCE_PERCENT
-
-
-def rank_imbalance(peaks: dict[int, int], basis: str) -> RankImbalance | None:
-    """The imbalance between ranks' peaks; None for fewer than two ranks."""
-    if len(peaks) < 2:
-        return None
-    clean = {int(r): int(b) for r, b in peaks.items()}
-    high_rank = min(clean, key=lambda r: (-clean[r], r))
-    low_rank = min(clean, key=lambda r: (clean[r], r))
-    high, low = clean[high_rank], clean[low_rank]
-    diff = high - low
-    percent = _pct(diff, low) if low > 0 else (0.0 if diff == 0 else None)
-    return RankImbalance(dict(sorted(clean.items())), basis, high_rank, low_rank, high, low, diff, percent)
-
-
-def rank_imbalance_finding(imbalance: RankImbalance | None) -> Finding | None:
-    """A warning when one rank peaks more than :data:`RANK_IMBALANCE_PERCENT` above another; None otherwise."""
-    if imbalance is None or not imbalance.exceeds:
-        return None
-    return Finding(
-        "rank_imbalance",
-        f"ranks are imbalanced ({imbalance.basis}, {len(imbalance.peaks)} ranks): {imbalance.sentence()}; every rank "
-        "must fit in the same memory, so the highest one sets the limit: uneven batches or sequence lengths, work "
-        "done on one rank only (logging, metrics, checkpointing, validation) or uneven sharding are the usual causes",
-        Severity.WARNING,
-        {
-            "peaks": dict(imbalance.peaks),
-            "basis": imbalance.basis,
-            "high_rank": imbalance.high_rank,
-            "low_rank": imbalance.low_rank,
-            "high_bytes": imbalance.high_bytes,
-            "low_bytes": imbalance.low_bytes,
-            "imbalance_bytes": imbalance.imbalance_bytes,
-            "percent": imbalance.percent,
-        },
     )
+    return out

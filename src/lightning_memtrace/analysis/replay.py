@@ -364,7 +364,7 @@ def replay(snapshot: Snapshot | dict[str, Any] | list[Any], *, source: str | Non
     """Replay every device of a snapshot.
 
     Args:
-        snapshot: A :class:`~lightning_memtrace.snapshot_loader.Snapshot`, or an already-unpickled snapshot (dict or
+        snapshot: A :class:`~lightning_memtrace.analysis.loader.Snapshot`, or an already-unpickled snapshot (dict or
             old list format).
         source: Name to show for it (defaults to the file name).
 

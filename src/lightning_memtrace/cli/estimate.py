@@ -10,28 +10,24 @@ The model is built from its Hugging Face config on the meta device and trained f
 (:func:`lightning_memtrace.estimator.estimate_from_config`). Exit status: 0 when it fits (or no budget was given),
 1 when it does not fit (or no batch size fits), 2 on an error (one line ``memtrace: error: ...`` on stderr).
 
-Standalone: ``python -m lightning_memtrace.estimate_cli --config ...``.
+Standalone: ``python -m lightning_memtrace.cli.estimate --config ...``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import Any
 
-from lightning_memtrace.cli import _bytes_arg, _positive_int
+from lightning_memtrace.cli.args import bytes_arg, positive_int
+from lightning_memtrace.cli.errors import PROG, Parser, error_line, run_guarded
 from lightning_memtrace.units import format_bytes
 
-PROG = "memtrace"
-ERROR_EXIT = 2
 NOT_FIT_EXIT = 1
 PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "bf16-true", "16-true")
-
-
-# The size and count parsers are the ``memtrace`` command's own, so every subcommand reads sizes alike.
-_size = _bytes_arg
+#: Errors whose message alone is the one line (anything else also names its type).
+_PLAIN_ERRORS = (ValueError, OSError, KeyError, TypeError, ModuleNotFoundError, json.JSONDecodeError)
 
 
 def _configure(parser: argparse.ArgumentParser) -> None:
@@ -41,17 +37,17 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         help="a Hugging Face config.json, a folder holding one, or a hub id (where the network allows)",
     )
     parser.add_argument(
-        "--batch-size", type=_positive_int, default=None, help="micro-batch size (required unless --find-max-batch)"
+        "--batch-size", type=positive_int, default=None, help="micro-batch size (required unless --find-max-batch)"
     )
-    parser.add_argument("--seq-len", type=_positive_int, required=True, help="tokens per sequence")
+    parser.add_argument("--seq-len", type=positive_int, required=True, help="tokens per sequence")
     parser.add_argument("--optimizer", choices=("adamw", "adam", "sgd"), default="adamw")
     parser.add_argument("--precision", choices=PRECISIONS, default="32-true", help="Lightning's precision setting")
     parser.add_argument("--gradient-checkpointing", action="store_true", help="non-reentrant activation checkpointing")
-    parser.add_argument("--accumulate-grad-batches", type=_positive_int, default=1)
+    parser.add_argument("--accumulate-grad-batches", type=positive_int, default=1)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="the device to estimate for")
     parser.add_argument(
         "--device-memory",
-        type=_size,
+        type=bytes_arg,
         default=None,
         help="memory of the device, e.g. 80GiB (1024-based) or 80GB (1000-based)",
     )
@@ -60,7 +56,7 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-batch-size",
-        type=_positive_int,
+        type=positive_int,
         default=4096,
         help="upper end of the --find-max-batch search (default 4096)",
     )
@@ -80,38 +76,28 @@ def add_estimate_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
-#: The name ``lightning_memtrace.cli`` looks for in the modules it lists.
+#: The name :mod:`lightning_memtrace.cli.parser` looks for in the modules it lists.
 add_subcommand = add_estimate_subcommand
-
-
-def _error(message: str) -> int:
-    line = " ".join(str(message).split())
-    sys.stderr.write(f"{PROG}: error: {line}\n")
-    sys.stderr.flush()
-    return ERROR_EXIT
 
 
 def run_estimate(args: argparse.Namespace) -> int:
     """Run ``memtrace estimate``; returns the exit status (never raises, never prints a traceback)."""
-    try:
-        return _run(args)
-    except KeyboardInterrupt:
-        return _error("interrupted")
-    except (ValueError, OSError, KeyError, TypeError, ModuleNotFoundError, json.JSONDecodeError) as error:
-        return _error(f"{error}")
-    except Exception as error:  # noqa: BLE001 - last resort: one line, never a traceback
-        return _error(f"{type(error).__name__}: {error}")
+    return run_guarded(_run, args, error_line, lambda: error_line("interrupted"), _PLAIN_ERRORS)
 
 
-def _run(args: argparse.Namespace) -> int:
-    import warnings
-
-    from lightning_memtrace.estimator import build_meta_model, estimate_from_config, find_max_batch
-
+def _check(args: argparse.Namespace) -> None:
     if args.batch_size is None and not args.find_max_batch:
         raise ValueError("--batch-size is required (or use --find-max-batch with --device-memory)")
     if args.find_max_batch and args.device_memory is None:
         raise ValueError("--find-max-batch needs --device-memory")
+
+
+def _compute(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The estimate to show (None when no batch size fits) and the search (None without ``--find-max-batch``)."""
+    import warnings
+
+    from lightning_memtrace.estimator import build_meta_model, estimate_from_config, find_max_batch
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
@@ -142,63 +128,66 @@ def _run(args: argparse.Namespace) -> int:
 
             search = find_max_batch(peak_for, args.device_memory, low=1, high=args.max_batch_size)
         shown_size = args.batch_size if args.batch_size is not None else (search.batch_size if search else None)
-        shown = None
-        if shown_size:
-            shown = estimates.get(shown_size) or run(shown_size)
+        shown = (estimates.get(shown_size) or run(shown_size)) if shown_size else None
+    return shown, search
 
+
+def _print_json(args: argparse.Namespace, shown: Any, search: Any, fits: bool | None) -> None:
+    payload: dict[str, Any] = {"estimate": shown.as_dict() if shown is not None else None}
+    if args.device_memory is not None:
+        payload["device_memory"] = args.device_memory
+        payload["fits"] = fits
+    if search is not None:
+        payload["max_batch_size"] = search.batch_size
+        payload["searched_peaks"] = {str(k): v for k, v in search.peaks.items()}
+    print(json.dumps(payload, indent=2))
+
+
+def _fit_line(budget_bytes: int, shown: Any, fits: bool) -> str:
+    budget = format_bytes(budget_bytes)
+    if fits:
+        spare = format_bytes(budget_bytes - shown.peak_bytes)
+        return f"fits in {budget}: peak {format_bytes(shown.peak_bytes)}, {spare} to spare"
+    over = format_bytes(shown.peak_bytes - budget_bytes)
+    return f"does not fit in {budget}: peak {format_bytes(shown.peak_bytes)}, {over} over"
+
+
+def _search_line(budget_bytes: int, search: Any) -> str:
+    budget = format_bytes(budget_bytes)
+    if search.batch_size == 0:
+        return f"no micro-batch fits in {budget} (batch 1 peaks at {format_bytes(search.peaks.get(1, 0))})"
+    more = " (the search's upper end: larger may fit)" if search.capped else ""
+    nxt = search.peaks.get(search.batch_size + 1)
+    after = f"; {search.batch_size + 1} peaks at {format_bytes(nxt)}" if nxt is not None else ""
+    return (
+        f"largest micro-batch that fits in {budget}: {search.batch_size}{more} "
+        f"(peak {format_bytes(search.peaks[search.batch_size])}{after})"
+    )
+
+
+def _print_text(args: argparse.Namespace, shown: Any, search: Any, fits: bool | None) -> None:
+    if shown is not None:
+        print(shown.table())
+    if fits is not None and shown is not None:
+        print(_fit_line(args.device_memory, shown, fits))
+    if search is not None:
+        print(_search_line(args.device_memory, search))
+    print("estimate of allocated bytes; on CUDA leave room for the context, cuBLAS workspace and fragmentation")
+
+
+def _run(args: argparse.Namespace) -> int:
+    _check(args)
+    shown, search = _compute(args)
     fits = shown.fits(args.device_memory) if shown is not None and args.device_memory is not None else None
-    if args.json:
-        payload: dict[str, Any] = {"estimate": shown.as_dict() if shown is not None else None}
-        if args.device_memory is not None:
-            payload["device_memory"] = args.device_memory
-            payload["fits"] = fits
-        if search is not None:
-            payload["max_batch_size"] = search.batch_size
-            payload["searched_peaks"] = {str(k): v for k, v in search.peaks.items()}
-        print(json.dumps(payload, indent=2))
-    else:
-        if shown is not None:
-            print(shown.table())
-        if fits is not None and shown is not None:
-            budget = format_bytes(args.device_memory)
-            if fits:
-                print(
-                    f"fits in {budget}: peak {format_bytes(shown.peak_bytes)}, "
-                    f"{format_bytes(args.device_memory - shown.peak_bytes)} to spare"
-                )
-            else:
-                print(
-                    f"does not fit in {budget}: peak {format_bytes(shown.peak_bytes)}, "
-                    f"{format_bytes(shown.peak_bytes - args.device_memory)} over"
-                )
-        if search is not None:
-            budget = format_bytes(args.device_memory)
-            if search.batch_size == 0:
-                print(f"no micro-batch fits in {budget} (batch 1 peaks at {format_bytes(search.peaks.get(1, 0))})")
-            else:
-                more = " (the search's upper end: larger may fit)" if search.capped else ""
-                nxt = search.peaks.get(search.batch_size + 1)
-                after = f"; {search.batch_size + 1} peaks at {format_bytes(nxt)}" if nxt is not None else ""
-                print(
-                    f"largest micro-batch that fits in {budget}: {search.batch_size}{more} "
-                    f"(peak {format_bytes(search.peaks[search.batch_size])}{after})"
-                )
-        print("estimate of allocated bytes; on CUDA leave room for the context, cuBLAS workspace and fragmentation")
-    if search is not None and search.batch_size == 0:
-        return NOT_FIT_EXIT
-    if fits is False:
+    (_print_json if args.json else _print_text)(args, shown, search, fits)
+    if (search is not None and search.batch_size == 0) or fits is False:
         return NOT_FIT_EXIT
     return 0
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise SystemExit(_error(f"{message} (see '{self.prog} --help')"))
-
-
 def build_parser() -> argparse.ArgumentParser:
-    """The standalone parser (``python -m lightning_memtrace.estimate_cli``)."""
-    parser = _Parser(prog=f"{PROG} estimate", description=(__doc__ or "").splitlines()[0])
+    """The standalone parser (``python -m lightning_memtrace.cli.estimate``)."""
+    parser = Parser(prog=f"{PROG} estimate", description=(__doc__ or "").splitlines()[0])
     _configure(parser)
     return parser
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "snapshots"
+FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "snapshots"
 from lightning_memtrace import MemoryRecorder
 from lightning_memtrace.cli import main as memtrace_main
 from lightning_memtrace.analysis.replay import replay

@@ -15,7 +15,7 @@ from lightning_memtrace.analysis.stacks import analyze_frames
 from lightning_memtrace.types import CATEGORIES
 from lightning_memtrace.analysis.loader import load_snapshot
 
-SNAPSHOTS = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "snapshots"
+SNAPSHOTS = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "snapshots"
 
 
 def snapshot_fixture(name: str) -> Path:

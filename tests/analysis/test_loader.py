@@ -13,7 +13,7 @@ import pytest
 
 from lightning_memtrace.analysis.loader import Snapshot, SnapshotError, load_snapshot, normalize
 
-SNAPSHOTS = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "snapshots"
+SNAPSHOTS = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "snapshots"
 
 
 def snapshot_fixture(name: str) -> Path:

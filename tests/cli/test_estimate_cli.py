@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from lightning_memtrace.estimate_cli import add_estimate_subcommand, main, run_estimate
+from lightning_memtrace.cli.estimate import add_estimate_subcommand, main, run_estimate
 from lightning_memtrace.estimator import build_meta_model, estimate_from_config
 from lightning_memtrace.models import TINY_QWEN2_CONFIG
 
-CONFIGS = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "configs"
+CONFIGS = Path(__file__).resolve().parents[2].parent / "shared" / "reference" / "configs"
 TINY = str(CONFIGS / "qwen2-tiny.json")
 TINY_PARAM_BYTES = 13_714_432
 ONE_LAYER = dict(TINY_QWEN2_CONFIG, num_hidden_layers=1)
