@@ -13,7 +13,13 @@ from typing import Any
 Frame = dict[str, Any]
 
 
-class Phase(str, Enum):
+class TextEnum(str, Enum):
+    """An enum of strings that prints as its value (``str(Phase.BATCH_START) == "batch_start"``)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+class Phase(TextEnum):
     """The moments of a step at which MemTrace takes a row."""
 
     BATCH_START = "batch_start"
@@ -23,10 +29,6 @@ class Phase(str, Enum):
     BATCH_END = "batch_end"
     VAL_BATCH_START = "val_batch_start"
     VAL_BATCH_END = "val_batch_end"
-
-    def __str__(self) -> str:
-        return self.value
-
 
 #: The phases of a training batch, in the order they are taken (validation phases excluded).
 TRAIN_PHASES: tuple[Phase, ...] = (
@@ -40,7 +42,7 @@ TRAIN_PHASES: tuple[Phase, ...] = (
 PHASE_ORDER: tuple[Phase, ...] = tuple(Phase)
 
 
-class Stage(str, Enum):
+class Stage(TextEnum):
     """The part of a step that is running between two rows: where an allocation is made or an OOM happens.
 
     The recorder sets six of them; a replay also tells ``init`` (a module's construction) and ``zero_grad`` apart
@@ -55,10 +57,6 @@ class Stage(str, Enum):
     OPTIMIZER_STEP = "optimizer_step"
     AFTER_STEP = "after_step"
     VALIDATION = "validation"
-
-    def __str__(self) -> str:
-        return self.value
-
     @property
     def description(self) -> str:
         """The stage in a sentence of the post-mortem (``died in: the forward pass``)."""
@@ -105,7 +103,7 @@ STAGE_AFTER_PHASE = {
 }
 
 
-class Category(str, Enum):
+class Category(TextEnum):
     """What a piece of live memory is for. Each storage belongs to exactly one category."""
 
     PARAMETERS = "parameters"
@@ -114,10 +112,6 @@ class Category(str, Enum):
     INPUTS = "inputs"
     ACTIVATIONS = "activations"
     OTHER = "other"
-
-    def __str__(self) -> str:
-        return self.value
-
 
 #: Categories computed from storages, in the priority order used when a storage could be in two.
 MEASURED_CATEGORIES = (
@@ -130,16 +124,12 @@ MEASURED_CATEGORIES = (
 
 
 
-class InferredCategory(str, Enum):
+class InferredCategory(TextEnum):
     """Categories beyond :class:`Category` that only a replay can tell apart."""
 
     OPTIMIZER_INTERMEDIATES = "optimizer_intermediates"
     INTERMEDIATES = "intermediates"
     PRE_EXISTING = "pre_existing"
-
-    def __str__(self) -> str:
-        return self.value
-
 
 #: Every category a replay can assign, in the stacking order of the charts (bottom first).
 CATEGORIES: tuple[str, ...] = (

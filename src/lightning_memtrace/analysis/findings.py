@@ -4,25 +4,21 @@ to change. Every finding carries its numbers as integers (bytes) so that tests a
 from __future__ import annotations
 
 import dataclasses
-from enum import Enum
 from typing import Any
 
 import pandas as pd
 
 from lightning_memtrace.analysis.model import Replay
 from lightning_memtrace.schema import header_is_cpu, header_steps
-from lightning_memtrace.types import ROW_CATEGORIES, STAGES, Stage, category_label
+from lightning_memtrace.types import ROW_CATEGORIES, STAGES, Stage, TextEnum, category_label
 from lightning_memtrace.units import format_bytes, percent
 
 
-class Severity(str, Enum):
+class Severity(TextEnum):
     """How much a finding matters."""
 
     INFO = "info"
     WARNING = "warning"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclasses.dataclass(frozen=True)

@@ -274,39 +274,52 @@ def normalize(value: Any, where: str = "<snapshot>") -> tuple[dict[str, Any], st
         keys = ", ".join(sorted(str(k) for k in list(value)[:8]))
         raise SnapshotError(f"{where}: a pickled dict without 'segments' or 'device_traces' (keys: {keys})")
     data = dict(value)
-    segments = data.get("segments") or []
-    traces = data.get("device_traces") or []
+    segments = _checked_segments(data.get("segments") or [], where)
+    data["segments"] = segments
+    data["device_traces"] = _checked_traces(data.get("device_traces") or [], where)
+    return data, layout
+
+
+def _checked_segments(segments: Any, where: str) -> list[dict[str, Any]]:
+    """The segments, each with a ``blocks`` list."""
     if not isinstance(segments, list) or not all(isinstance(s, dict) for s in segments):
         raise SnapshotError(f"{where}: 'segments' is not a list of segment dicts")
-    if isinstance(traces, dict):  # some tools key traces by device
-        try:
-            size = max(int(k) for k in traces) + 1 if traces else 0
-        except (TypeError, ValueError):
-            raise SnapshotError(f"{where}: 'device_traces' keyed by something other than device numbers") from None
-        listed: list[list[dict[str, Any]]] = [[] for _ in range(size)]
-        for key, trace in traces.items():
-            listed[int(key)] = trace
-        traces = listed
-    if not isinstance(traces, list):
-        raise SnapshotError(f"{where}: 'device_traces' is not a list")
-    clean_traces: list[list[dict[str, Any]]] = []
-    for device, trace in enumerate(traces):
-        if trace is None:
-            trace = []
-        if not isinstance(trace, list):
-            raise SnapshotError(f"{where}: the trace of device {device} is not a list")
-        if trace and not (isinstance(trace[0], dict) and isinstance(trace[-1], dict)):
-            raise SnapshotError(f"{where}: the trace of device {device} holds non-dict events")
-        clean_traces.append(trace)
     for segment in segments:
         blocks = segment.get("blocks")
         if blocks is None:
             segment["blocks"] = []
         elif not isinstance(blocks, list):
             raise SnapshotError(f"{where}: a segment's 'blocks' is not a list")
-    data["segments"] = segments
-    data["device_traces"] = clean_traces
-    return data, layout
+    return segments
+
+
+def _traces_by_device(traces: dict[Any, Any], where: str) -> list[Any]:
+    """Traces keyed by device number (some tools write them so) as a list."""
+    try:
+        size = max(int(k) for k in traces) + 1 if traces else 0
+    except (TypeError, ValueError):
+        raise SnapshotError(f"{where}: 'device_traces' keyed by something other than device numbers") from None
+    listed: list[Any] = [[] for _ in range(size)]
+    for key, trace in traces.items():
+        listed[int(key)] = trace
+    return listed
+
+
+def _checked_traces(traces: Any, where: str) -> list[list[dict[str, Any]]]:
+    """One list of event dicts per device (None → empty)."""
+    if isinstance(traces, dict):
+        traces = _traces_by_device(traces, where)
+    if not isinstance(traces, list):
+        raise SnapshotError(f"{where}: 'device_traces' is not a list")
+    clean: list[list[dict[str, Any]]] = []
+    for device, trace in enumerate(traces):
+        trace = [] if trace is None else trace
+        if not isinstance(trace, list):
+            raise SnapshotError(f"{where}: the trace of device {device} is not a list")
+        if trace and not (isinstance(trace[0], dict) and isinstance(trace[-1], dict)):
+            raise SnapshotError(f"{where}: the trace of device {device} holds non-dict events")
+        clean.append(trace)
+    return clean
 
 
 def load_snapshot(

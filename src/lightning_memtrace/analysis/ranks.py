@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pandas as pd
+
 from lightning_memtrace.analysis.findings import Finding, Severity
 from lightning_memtrace.analysis.source import LoadedSnapshot, ReportSource
 from lightning_memtrace.types import TRAIN_PHASES
@@ -123,47 +125,57 @@ class RankOverview:
     imbalance: RankImbalance | None
 
 
+def _snapshots_by_rank(source: ReportSource) -> dict[int, list[LoadedSnapshot]]:
+    by_rank: dict[int, list[LoadedSnapshot]] = {}
+    for s in source.snapshots:
+        if s.rank is not None:
+            by_rank.setdefault(s.rank, []).append(s)
+    return by_rank
+
+
+def _phase_ranks(phases: pd.DataFrame | None) -> set[int]:
+    if phases is not None and len(phases) and "rank" in phases:
+        return {int(r) for r in phases["rank"].unique()}
+    return set()
+
+
+def _rank_peak(rank: int, snaps: list[LoadedSnapshot], phases: pd.DataFrame | None, columns: list[str]) -> RankPeak:
+    """One rank's row: its highest-peak snapshot, and the maxima of its rows of the phases CSV."""
+    best = max(snaps, key=lambda s: s.replay.peak.live_bytes) if snaps else None
+    phase_peaks: dict[str, int] = {}
+    phases_peak: int | None = None
+    if phases is not None and rank in _phase_ranks(phases):
+        mine = phases[phases["rank"] == rank]
+        maxima = mine.groupby(mine["phase"].astype(str))["peak_bytes"].max()
+        phase_peaks = {p: int(maxima[p]) for p in columns if p in maxima.index}
+        phases_peak = int(mine["peak_bytes"].max())
+    return RankPeak(rank, best, int(best.replay.peak.live_bytes) if best else None, phase_peaks, phases_peak)
+
+
+def _imbalance(rows: list[RankPeak]) -> RankImbalance | None:
+    """Snapshot peaks when every rank has one (or CSV peaks do not cover every rank), else the CSV's peaks."""
+    snap_peaks = {r.rank: r.peak_bytes for r in rows if r.peak_bytes is not None}
+    csv_peaks = {r.rank: r.phases_peak for r in rows if r.phases_peak is not None}
+    if len(snap_peaks) == len(rows) or (len(snap_peaks) >= 2 and len(csv_peaks) < len(rows)):
+        return rank_imbalance(snap_peaks, "snapshot replay peaks")  # type: ignore[arg-type]
+    return rank_imbalance(csv_peaks, "phases CSV peaks")  # type: ignore[arg-type]
+
+
 def rank_overview(source: ReportSource) -> RankOverview | None:
     """Per-rank peaks and the imbalance between ranks; None when the source holds fewer than two ranks.
 
     The imbalance compares snapshot replay peaks when every rank has a snapshot, else the phases CSV's peaks when
     every rank has rows there, else whichever of the two covers at least two ranks.
     """
-    by_rank: dict[int, list[LoadedSnapshot]] = {}
-    for s in source.snapshots:
-        if s.rank is not None:
-            by_rank.setdefault(s.rank, []).append(s)
+    by_rank = _snapshots_by_rank(source)
     phases = source.phases
-    phase_ranks: set[int] = set()
-    if phases is not None and len(phases) and "rank" in phases:
-        phase_ranks = {int(r) for r in phases["rank"].unique()}
-    ranks = sorted(set(by_rank) | phase_ranks)
+    ranks = sorted(set(by_rank) | _phase_ranks(phases))
     if len(ranks) < 2:
         return None
     present = set(phases["phase"].astype(str)) if phases is not None and len(phases) else set()
     columns = [p for p in RANK_PHASES if p in present]
-    rows: list[RankPeak] = []
-    for rank in ranks:
-        snaps = by_rank.get(rank, [])
-        best = max(snaps, key=lambda s: s.replay.peak.live_bytes) if snaps else None
-        phase_peaks: dict[str, int] = {}
-        phases_peak: int | None = None
-        if rank in phase_ranks:
-            assert phases is not None
-            mine = phases[phases["rank"] == rank]
-            maxima = mine.groupby(mine["phase"].astype(str))["peak_bytes"].max()
-            phase_peaks = {p: int(maxima[p]) for p in columns if p in maxima.index}
-            phases_peak = int(mine["peak_bytes"].max())
-        rows.append(
-            RankPeak(rank, best, int(best.replay.peak.live_bytes) if best else None, phase_peaks, phases_peak)
-        )
-    snap_peaks = {r.rank: r.peak_bytes for r in rows if r.peak_bytes is not None}
-    csv_peaks = {r.rank: r.phases_peak for r in rows if r.phases_peak is not None}
-    if len(snap_peaks) == len(rows) or (len(snap_peaks) >= 2 and len(csv_peaks) < len(rows)):
-        imbalance = rank_imbalance(snap_peaks, "snapshot replay peaks")  # type: ignore[arg-type]
-    else:
-        imbalance = rank_imbalance(csv_peaks, "phases CSV peaks")  # type: ignore[arg-type]
-    return RankOverview(rows, columns, imbalance)
+    rows = [_rank_peak(rank, by_rank.get(rank, []), phases, columns) for rank in ranks]
+    return RankOverview(rows, columns, _imbalance(rows))
 
 
 def add_rank_finding(findings: list[Finding], overview: RankOverview | None) -> list[Finding]:

@@ -126,23 +126,25 @@ def snapshot_view(loaded: LoadedSnapshot, max_sites: int = DEFAULT_SITES) -> Mem
         )
         for row in peak.sites.head(max_sites).to_dict("records")
     ]
+    about = {
+        "name": loaded.path.name,
+        "device": dev.device,
+        "events": dev.num_events,
+        "segments": rep.num_segments,
+        "reserved_known": dev.reserved_known,
+        "is_memtrace": rep.is_memtrace,
+        "inferred": rep.inferred,
+    }
+    moment = {"stage": str(peak.stage), "step": int(peak.step), "at_dump_time": peak.index < 0}
     return MemoryView(
         total_bytes=total,
         reserved_bytes=int(peak.reserved_bytes),
         categories=shares(peak.by_category, total),
         sites=sites,
         site_count=len(peak.sites),
-        stage=str(peak.stage),
-        step=int(peak.step),
-        at_dump_time=peak.index < 0,
         inferred_bytes=int(peak.inferred_bytes),
-        name=loaded.path.name,
-        device=dev.device,
-        events=dev.num_events,
-        segments=rep.num_segments,
-        reserved_known=dev.reserved_known,
-        is_memtrace=rep.is_memtrace,
-        inferred=rep.inferred,
+        **moment,
+        **about,
     )
 
 

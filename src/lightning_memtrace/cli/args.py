@@ -3,31 +3,30 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from typing import Any
 
 from lightning_memtrace.units import parse_bytes
 
 
+def _checked(parse: Callable[[str], int], text: str, kind: str, example: str = "") -> int:
+    try:
+        value = parse(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not {kind}: {text!r}{example}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"not a positive {kind.split()[-1]}: {text!r}")
+    return value
+
+
 def bytes_arg(text: str) -> int:
     """A positive size: ``4GiB``, ``512MiB``, ``80GB`` (1000-based), ``1e9``."""
-    try:
-        value = parse_bytes(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4GiB, 512MiB, 1e9)") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"not a positive size: {text!r}")
-    return value
+    return _checked(parse_bytes, text, "a size", " (e.g. 4GiB, 512MiB, 1e9)")
 
 
 def positive_int(text: str) -> int:
     """A positive integer."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"not a positive integer: {text!r}")
-    return value
+    return _checked(int, text, "an integer")
 
 
 def add_max_bytes(parser: argparse.ArgumentParser) -> None:

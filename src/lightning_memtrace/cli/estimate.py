@@ -26,6 +26,8 @@ from lightning_memtrace.units import format_bytes
 
 NOT_FIT_EXIT = 1
 PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "bf16-true", "16-true")
+#: Options passed through to :func:`~lightning_memtrace.estimator.estimate_from_config` as they are.
+_ESTIMATE_OPTIONS = ("optimizer", "precision", "gradient_checkpointing", "accumulate_grad_batches", "device")
 #: Errors whose message alone is the one line (anything else also names its type).
 _PLAIN_ERRORS = (ValueError, OSError, KeyError, TypeError, ModuleNotFoundError, json.JSONDecodeError)
 
@@ -106,17 +108,8 @@ def _compute(args: argparse.Namespace) -> tuple[Any, Any]:
             raise ValueError(f"cannot read the model config {args.config!r}: {str(error).splitlines()[0]}") from None
 
         def run(batch_size: int) -> Any:
-            return estimate_from_config(
-                args.config,
-                batch_size,
-                args.seq_len,
-                optimizer=args.optimizer,
-                precision=args.precision,
-                gradient_checkpointing=args.gradient_checkpointing,
-                accumulate_grad_batches=args.accumulate_grad_batches,
-                device=args.device,
-                model=model,
-            )
+            options = {name: getattr(args, name) for name in _ESTIMATE_OPTIONS}
+            return estimate_from_config(args.config, batch_size, args.seq_len, model=model, **options)
 
         search = None
         estimates: dict[int, Any] = {}

@@ -208,30 +208,24 @@ def _category_traces(data: TimelineData, x: list[float]) -> list[dict[str, Any]]
     return traces
 
 
+def _line(x: list[float], values: np.ndarray, name: str, line: dict[str, Any]) -> dict[str, Any]:
+    """An unstacked line (total or reserved) with its hover text."""
+    return _scatter(
+        x=x,
+        y=[int(v) for v in values],
+        name=f"{name} (total)" if name == "allocated" else name,
+        mode="lines",
+        meta="total" if name == "allocated" else name,
+        line=line,
+        hovertemplate=f"{name}: %{{y:,}} B<extra></extra>",
+    )
+
+
 def _total_traces(data: TimelineData, x: list[float]) -> list[dict[str, Any]]:
-    traces = [
-        _scatter(
-            x=x,
-            y=[int(v) for v in data.total],
-            name="allocated (total)",
-            mode="lines",
-            meta="total",
-            line={"width": 1.2, "color": "#111", "shape": "hv"},
-            hovertemplate="allocated: %{y:,} B<extra></extra>",
-        )
-    ]
+    traces = [_line(x, data.total, "allocated", {"width": 1.2, "color": "#111", "shape": "hv"})]
     if data.reserved is not None and data.reserved.any():
-        traces.append(
-            _scatter(
-                x=x,
-                y=[int(v) for v in data.reserved],
-                name="reserved",
-                mode="lines",
-                meta="reserved",
-                line={"width": 1.2, "color": "#2ca02c", "dash": "dash", "shape": "hv"},
-                hovertemplate="reserved: %{y:,} B<extra></extra>",
-            )
-        )
+        style = {"width": 1.2, "color": "#2ca02c", "dash": "dash", "shape": "hv"}
+        traces.append(_line(x, data.reserved, "reserved", style))
     return traces
 
 
