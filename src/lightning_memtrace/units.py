@@ -7,10 +7,6 @@ GIB = 1024**3
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
 
 
-def to_mib(num_bytes: int) -> float:
-    return num_bytes / MIB
-
-
 def format_bytes(num_bytes: int | float, precision: int = 1) -> str:
     """Format a byte count with a 1024-based unit, e.g. ``format_bytes(1536) == '1.5 KiB'``."""
     value = float(num_bytes)
