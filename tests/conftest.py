@@ -44,7 +44,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 @pytest.fixture
-def expected(request: pytest.FixtureRequest):  # noqa: ANN201 - returns the compare function
+def expected(request: pytest.FixtureRequest):
     """``expected(text, "name.txt")``: compare a text output with ``tests/expected/name.txt`` (torchinfo style).
 
     With ``--update-expected`` or ``MEMTRACE_UPDATE_EXPECTED=1`` the file is rewritten instead.

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import fixture_path
 
 HEAVY_FOR_CAPTURE = ("pandas", "plotly", "matplotlib")
@@ -35,7 +34,8 @@ def test_reading_a_snapshot_imports_no_torch(tmp_path: Path, command: str) -> No
 
 
 @pytest.mark.parametrize(
-    "module", ["lightning_memtrace.capture", "lightning_memtrace.capture.phases_writer", "lightning_memtrace.capture.frames"]
+    "module",
+    ["lightning_memtrace.capture", "lightning_memtrace.capture.phases_writer", "lightning_memtrace.capture.frames"],
 )
 def test_capture_imports_nothing_heavy(module: str) -> None:
     loaded = _modules_after(f"import {module}")

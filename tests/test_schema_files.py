@@ -17,8 +17,13 @@ def test_tag_round_trip() -> None:
 
 def test_header_round_trip() -> None:
     header = schema.build_header(
-        device="cuda:0", rank=1, steps=(3, 5), allocated_bytes=10, allocated_at_start_bytes=None,
-        categories={"parameters": 4}, phases=[{"step": 3, "phase": "batch_start", "time_us": 1}],
+        device="cuda:0",
+        rank=1,
+        steps=(3, 5),
+        allocated_bytes=10,
+        allocated_at_start_bytes=None,
+        categories={"parameters": 4},
+        phases=[{"step": 3, "phase": "batch_start", "time_us": 1}],
     )
     snapshot = {"segments": [], "device_traces": [], schema.HEADER_KEY: header}
     read = schema.read_header(snapshot)
@@ -46,6 +51,15 @@ def test_file_names_and_rank_of() -> None:
 
 def test_orders() -> None:
     assert [p.value for p in PHASE_ORDER] == [p.value for p in Phase]
-    assert STAGES == ("outside", "init", "forward", "backward", "zero_grad", "optimizer_step", "after_step", "validation")
+    assert STAGES == (
+        "outside",
+        "init",
+        "forward",
+        "backward",
+        "zero_grad",
+        "optimizer_step",
+        "after_step",
+        "validation",
+    )
     assert COUNTERS[:3] == ("allocated", "reserved", "peak")
     assert Stage.INIT.description and Stage.ZERO_GRAD.words == "zero_grad"

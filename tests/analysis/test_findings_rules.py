@@ -79,7 +79,9 @@ def test_top_sites() -> None:
 
 
 def test_pre_existing_and_unknown_frees() -> None:
-    segments = [{"device": 0, "total_size": 4096, "blocks": [{"state": "active_allocated", "address": 99, "size": 500}]}]
+    segments = [
+        {"device": 0, "total_size": 4096, "blocks": [{"state": "active_allocated", "address": 99, "size": 500}]}
+    ]
     trace = [_ev("alloc", 16, 100, 1), _ev("free_completed", 64, 30, 2)]
     rep = replay(_snap(trace, segments))
     (pre,) = pre_existing_finding(rep)
@@ -103,8 +105,22 @@ def test_oom_and_devices() -> None:
 def _phases() -> pd.DataFrame:
     row = {c: 0 for c in PHASE_COLUMNS}
     rows = [
-        {**row, "step": 1, "phase": "after_forward", "peak_bytes": 500, "allocated_bytes": 400, "activations_bytes": 300},
-        {**row, "step": 2, "phase": "after_backward", "peak_bytes": 900, "allocated_bytes": 700, "gradients_bytes": 600},
+        {
+            **row,
+            "step": 1,
+            "phase": "after_forward",
+            "peak_bytes": 500,
+            "allocated_bytes": 400,
+            "activations_bytes": 300,
+        },
+        {
+            **row,
+            "step": 2,
+            "phase": "after_backward",
+            "peak_bytes": 900,
+            "allocated_bytes": 700,
+            "gradients_bytes": 600,
+        },
     ]
     return pd.DataFrame(rows)
 

@@ -42,18 +42,23 @@ def _post_mortem(device: str) -> PostMortem:
     )
 
 
-def test_post_mortem_cuda(expected) -> None:  # noqa: ANN001
+def test_post_mortem_cuda(expected) -> None:
     expected(render_post_mortem(_post_mortem("cuda:0")), "postmortem_cuda.txt")
 
 
-def test_post_mortem_cpu(expected) -> None:  # noqa: ANN001
+def test_post_mortem_cpu(expected) -> None:
     expected(render_post_mortem(_post_mortem("cpu")), "postmortem_cpu.txt")
 
 
 def test_post_mortem_view() -> None:
     view = post_mortem_view(_post_mortem("cpu"))
     assert [s.category for s in view.categories] == [
-        "parameters", "gradients", "optimizer_state", "inputs", "activations", "other"
+        "parameters",
+        "gradients",
+        "optimizer_state",
+        "inputs",
+        "activations",
+        "other",
     ]
     assert view.total_bytes == 300 * 1024**2 and view.by_category["activations"] == 120 * 1024**2
     assert [s.where for s in view.sites] == [

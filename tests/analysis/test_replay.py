@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lightning_memtrace.analysis.loader import load_snapshot
 from lightning_memtrace.analysis.replay import replay
 from lightning_memtrace.analysis.stacks import analyze_frames
 from lightning_memtrace.types import CATEGORIES
-from lightning_memtrace.analysis.loader import load_snapshot
 
 SNAPSHOTS = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "snapshots"
 
@@ -26,7 +26,7 @@ def snapshot_fixture(name: str) -> Path:
     return path
 
 
-def _replay(name: str):  # noqa: ANN202
+def _replay(name: str):
     return replay(load_snapshot(snapshot_fixture(name)))
 
 

@@ -28,10 +28,14 @@ from lightning_memtrace.analysis.stages import (
 )
 
 USER = "/home/me/train.py"
-FWD = [{"filename": "/x/site-packages/torch/nn/modules/module.py", "line": 1, "name": "_call_impl"},
-       {"filename": USER, "line": 7, "name": "main"}]
-OPT = [{"filename": "/x/site-packages/torch/optim/adam.py", "line": 3, "name": "step"},
-       {"filename": USER, "line": 9, "name": "main"}]
+FWD = [
+    {"filename": "/x/site-packages/torch/nn/modules/module.py", "line": 1, "name": "_call_impl"},
+    {"filename": USER, "line": 7, "name": "main"},
+]
+OPT = [
+    {"filename": "/x/site-packages/torch/optim/adam.py", "line": 3, "name": "step"},
+    {"filename": USER, "line": 9, "name": "main"},
+]
 
 
 def _ev(action: str, addr: int, size: int, t: int, frames: list | None = None, **extra: object) -> dict:
@@ -112,11 +116,15 @@ def test_pair_by_address() -> None:
 
 def test_read_segments_seeds_unmentioned_blocks() -> None:
     segments = [
-        {"device": 0, "total_size": 100, "blocks": [
-            {"state": "active_allocated", "address": 16, "size": 8, "requested_size": 6},
-            {"state": "active_allocated", "address": 64, "size": 8, "category": "parameters"},
-            {"state": "inactive", "address": 80, "size": 8},
-        ]},
+        {
+            "device": 0,
+            "total_size": 100,
+            "blocks": [
+                {"state": "active_allocated", "address": 16, "size": 8, "requested_size": 6},
+                {"state": "active_allocated", "address": 64, "size": 8, "category": "parameters"},
+                {"state": "inactive", "address": 80, "size": 8},
+            ],
+        },
         {"device": 1, "total_size": 50, "blocks": []},
     ]
     segs = read_segments(segments, 0, np.array([16], dtype=np.int64))
@@ -160,8 +168,16 @@ def test_infer_categories_rules() -> None:
     alloc_index = np.array([1, 2, 3, 4, 0, 0, -1, 5])
     end_index = np.array([3, 2, 9, 9, 9, 3, 9, 9])
     cats = infer_categories(stage_alloc, stage_end, alloc_index, end_index, 9, np.array([1, 2]))
-    names = ["activations", "intermediates", "gradients", "optimizer_state", "parameters", "activations",
-             "pre_existing", "other"]
+    names = [
+        "activations",
+        "intermediates",
+        "gradients",
+        "optimizer_state",
+        "parameters",
+        "activations",
+        "pre_existing",
+        "other",
+    ]
     assert cats.tolist() == [CAT_CODE[n] for n in names]
 
 

@@ -131,7 +131,7 @@ def test_builtin_subcommands() -> None:
 def test_registered_subcommand(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cli_parser, "_REGISTERED", [])
 
-    def add_subcommand(subparsers) -> None:  # noqa: ANN001
+    def add_subcommand(subparsers) -> None:
         parser = subparsers.add_parser("dummy", help="a subcommand registered by another module")
         parser.add_argument("--batch", type=int, default=1)
         parser.set_defaults(func=lambda args: print(f"batch={args.batch}") or 0)
@@ -140,7 +140,7 @@ def test_registered_subcommand(capsys: pytest.CaptureFixture[str], monkeypatch: 
     assert run_main(["dummy", "--batch", "4"]) == 0
     assert capsys.readouterr().out.strip() == "batch=4"
 
-    def failing(subparsers) -> None:  # noqa: ANN001
+    def failing(subparsers) -> None:
         parser = subparsers.add_parser("boom")
         parser.set_defaults(func=lambda args: (_ for _ in ()).throw(ValueError("bad\nvalue")))
 
@@ -153,7 +153,7 @@ def test_console_script_refuses_hostile_pickle(tmp_path: Path) -> None:
     marker = tmp_path / "marker"
 
     class Evil:
-        def __reduce__(self):  # noqa: ANN204
+        def __reduce__(self):
             return (os.system, (f"touch {marker}",))
 
     evil = tmp_path / "evil.pickle"

@@ -4,8 +4,8 @@ columns when stdout is not a terminal) so that the tables are the same on every 
 from __future__ import annotations
 
 import pytest
-
 from conftest import fixture_path
+
 from lightning_memtrace.analysis.replay import replay
 from lightning_memtrace.analysis.source import LoadedSnapshot, load_source
 from lightning_memtrace.analysis.view import snapshot_view
@@ -13,7 +13,7 @@ from lightning_memtrace.cli import main
 
 
 @pytest.mark.parametrize("name", ["shreyansh26_profile_grad.pkl", "drisspg_mini_snapshot.pickle"])
-def test_summary_text(name: str, capsys: pytest.CaptureFixture[str], expected, monkeypatch) -> None:  # noqa: ANN001
+def test_summary_text(name: str, capsys: pytest.CaptureFixture[str], expected, monkeypatch) -> None:
     monkeypatch.setenv("COLUMNS", "160")
     path = fixture_path(name)
     assert main(["summary", str(path), "--sites", "5"]) == 0

@@ -12,11 +12,11 @@ from typing import Any
 import numpy as np
 import pytest
 
+from lightning_memtrace.analysis.loader import SnapshotError, load_snapshot
 from lightning_memtrace.analysis.replay import replay
 from lightning_memtrace.analysis.source import load_source
 from lightning_memtrace.report import write_report
 from lightning_memtrace.report.figure import downsample_rows
-from lightning_memtrace.analysis.loader import SnapshotError, load_snapshot
 
 SNAPSHOTS = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "snapshots"
 ALL_FIXTURES = [

@@ -10,6 +10,7 @@ from lightning_memtrace.analysis.loader import SnapshotError
 from lightning_memtrace.analysis.source import ReportSource
 from lightning_memtrace.types import CATEGORIES
 
+
 @dataclasses.dataclass
 class Diff:
     """Two sources side by side: ``b - a``.

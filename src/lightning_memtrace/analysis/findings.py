@@ -51,6 +51,7 @@ _ADVICE = {
     "other": "look at the largest allocation sites below",
 }
 
+
 def _function_note(row: pd.Series) -> str:
     site, function = str(row["site"]), str(row["function"])
     return "" if site == function else f" ({function})"
@@ -77,11 +78,14 @@ def peak_finding(replay: Replay) -> list[Finding]:
     total = peak.live_bytes
     if not peak.by_category:
         if total == 0:
-            return [Finding("empty", "the snapshot holds no live allocation and no trace", Severity.INFO, {"peak_bytes": 0})]
+            return [
+                Finding("empty", "the snapshot holds no live allocation and no trace", Severity.INFO, {"peak_bytes": 0})
+            ]
         return []
     top_cat, top_bytes = next(iter(peak.by_category.items()))
     parts = ", ".join(
-        f"{category_label(c)} {percent(b, total):.0f}% ({format_bytes(b)})" for c, b in list(peak.by_category.items())[:3]
+        f"{category_label(c)} {percent(b, total):.0f}% ({format_bytes(b)})"
+        for c, b in list(peak.by_category.items())[:3]
     )
     where = _where(peak.stage, peak.step) if peak.index >= 0 else "at dump time"
     message = (
@@ -174,7 +178,11 @@ def top_site_findings(replay: Replay, max_sites: int = 1) -> list[Finding]:
             f"{row['site']}{_function_note(row)} holds {format_bytes(b)} ({b:,} B) in {int(row['count']):,} "
             f"allocation(s) at the peak, {percent(b, total):.0f}% of it ({category_label(row['category'])})"
         )
-        out.append(Finding("top_site", message, Severity.INFO, {"site": str(row["site"]), "bytes": b, "count": int(row["count"])}))
+        out.append(
+            Finding(
+                "top_site", message, Severity.INFO, {"site": str(row["site"]), "bytes": b, "count": int(row["count"])}
+            )
+        )
     return out
 
 
@@ -184,7 +192,9 @@ def pre_existing_finding(replay: Replay) -> list[Finding]:
     total = main.peak.live_bytes
     if main.seed_bytes <= 0 or total <= 0 or not len(main.timeline):
         return []
-    share = f"{format_bytes(main.seed_bytes)} ({main.seed_bytes:,} B, {percent(main.seed_bytes, total):.0f}% of the peak)"
+    share = (
+        f"{format_bytes(main.seed_bytes)} ({main.seed_bytes:,} B, {percent(main.seed_bytes, total):.0f}% of the peak)"
+    )
     if replay.is_memtrace:
         steps = header_steps(replay.memtrace)
         window = f" (steps {steps[0]}-{steps[1]})" if steps is not None else ""
@@ -268,11 +278,7 @@ def phase_findings(phases: pd.DataFrame) -> list[Finding]:
         return out
     row = phases.loc[phases["peak_bytes"].idxmax()]
     peak = int(row["peak_bytes"])
-    cats = {
-        c: int(row[f"{c}_bytes"])
-        for c in ROW_CATEGORIES
-        if f"{c}_bytes" in row and int(row[f"{c}_bytes"]) > 0
-    }
+    cats = {c: int(row[f"{c}_bytes"]) for c in ROW_CATEGORIES if f"{c}_bytes" in row and int(row[f"{c}_bytes"]) > 0}
     allocated = int(row.get("allocated_bytes", 0))
     composition = ", ".join(
         f"{category_label(c)} {format_bytes(b)}" for c, b in sorted(cats.items(), key=lambda kv: -kv[1])[:3]

@@ -61,7 +61,7 @@ class RestrictedUnpickler(pickle.Unpickler):
     :class:`SnapshotError` before it is imported, so no code from the file runs.
     """
 
-    def find_class(self, module: str, name: str) -> Any:  # noqa: D102 - see class docstring
+    def find_class(self, module: str, name: str) -> Any:
         allowed = _ALLOWED_GLOBALS.get((module, name))
         if allowed is None:
             raise SnapshotError(
@@ -70,7 +70,7 @@ class RestrictedUnpickler(pickle.Unpickler):
             )
         return allowed
 
-    def persistent_load(self, pid: Any) -> Any:  # noqa: D102
+    def persistent_load(self, pid: Any) -> Any:
         raise SnapshotError("refused to unpickle: the file uses persistent ids; a memory snapshot never does")
 
 

@@ -108,7 +108,9 @@ def render_post_mortem(pm: PostMortem) -> str:
         lines.append(f"failed at:     {format_frame(user_frame(pm.failing_frames))}")
     view = post_mortem_view(pm)
     lines += ["", "live memory by category:"]
-    lines += [f"  {share.category:<16} {format_bytes(share.bytes):>12}  ({share.bytes:,} B)" for share in view.categories]
+    lines += [
+        f"  {share.category:<16} {format_bytes(share.bytes):>12}  ({share.bytes:,} B)" for share in view.categories
+    ]
     lines += ["", f"{len(view.sites)} largest live allocations:"]
     for index, site in enumerate(view.sites, 1):
         made = f" [{site.note}]" if site.note else ""

@@ -35,7 +35,15 @@ from lightning_memtrace.analysis.events import (
 )
 from lightning_memtrace.analysis.loader import Snapshot, SnapshotError, normalize
 from lightning_memtrace.analysis.model import DeviceReplay, Replay
-from lightning_memtrace.analysis.stacks import PRE_EXISTING_SITE, S_FWD, S_OUT, FrameInfo, SiteTable, analyze_frames, analyze_lists
+from lightning_memtrace.analysis.stacks import (
+    PRE_EXISTING_SITE,
+    S_FWD,
+    S_OUT,
+    FrameInfo,
+    SiteTable,
+    analyze_frames,
+    analyze_lists,
+)
 from lightning_memtrace.analysis.stages import event_stages, read_tags, smooth_stages
 from lightning_memtrace.schema import header_is_cpu, header_phase_marks
 from lightning_memtrace.types import CATEGORIES, STAGES
@@ -103,7 +111,9 @@ class Allocations:
     inferred: np.ndarray
 
 
-def read_events(trace: list[dict[str, Any]], device: int, snapshot_info: tuple[list, dict | None], table: SiteTable) -> Events:
+def read_events(
+    trace: list[dict[str, Any]], device: int, snapshot_info: tuple[list, dict | None], table: SiteTable
+) -> Events:
     """Step 1: the fields, stacks, tags, stages and steps of every event."""
     annotations, header = snapshot_info
     n = len(trace)
@@ -276,7 +286,9 @@ def _categorical(codes: np.ndarray, names: Any) -> pd.Categorical:
     return pd.Categorical.from_codes(codes.astype(np.int64), categories=list(names))
 
 
-def timeline_frame(ev: Events, al: Allocations, segs: Segments, header: dict[str, Any] | None, table: SiteTable) -> tuple[pd.DataFrame, int, bool]:
+def timeline_frame(
+    ev: Events, al: Allocations, segs: Segments, header: dict[str, Any] | None, table: SiteTable
+) -> tuple[pd.DataFrame, int, bool]:
     """Step 9: the timeline table (one row per event); with the seed bytes and whether reserved bytes are known."""
     n = ev.n
     delta, live, seed_bytes = live_bytes(al, n)

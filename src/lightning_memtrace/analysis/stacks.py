@@ -206,7 +206,12 @@ def _unique_frame_facts(
     for k, pos in enumerate(first.tolist()):
         flags, user, library, node, caller = table.facts_of(all_frames[pos])
         u_flags[k] = flags
-        candidates = (user, library, node_site(node) if node is not None else None, Site("", 0, caller) if caller else None)
+        candidates = (
+            user,
+            library,
+            node_site(node) if node is not None else None,
+            Site("", 0, caller) if caller else None,
+        )
         for kind, candidate in enumerate(candidates):
             if candidate is not None:
                 u_sites[kind, k] = table.intern(candidate)

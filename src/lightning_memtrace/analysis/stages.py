@@ -77,7 +77,9 @@ def apply_phase_marks(phases: list[Any], times: np.ndarray, stage: np.ndarray, s
             continue
         try:
             phase = Phase(str(p.get("phase")))
-            marks.append((int(p.get("time_us", 0)), _STAGE_CODE[STAGE_AFTER_PHASE[phase].value], int(p.get("step", -1))))
+            marks.append(
+                (int(p.get("time_us", 0)), _STAGE_CODE[STAGE_AFTER_PHASE[phase].value], int(p.get("step", -1)))
+            )
         except (ValueError, KeyError, TypeError):
             continue
     marks.sort()

@@ -8,8 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from lightning_memtrace.types import PHASE_COLUMNS
-from lightning_memtrace.types import PhaseRecord
+from lightning_memtrace.types import PHASE_COLUMNS, PhaseRecord
 
 _HEADER = ",".join(PHASE_COLUMNS) + "\n"
 # One format for a whole line (floats as %.6f, the rest as they print): a row is written many times per step.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Any
 
 from lightning_memtrace.cli.args import add_max_bytes, add_sites, loader_kwargs
@@ -54,9 +55,7 @@ def categories_table(view: Any) -> Any:
 
 
 def sites_table(view: Any) -> Any:
-    rows = [
-        [s.where, s.function, s.label, format_bytes(s.bytes), f"{s.bytes:,}", f"{s.count:,}"] for s in view.sites
-    ]
+    rows = [[s.where, s.function, s.label, format_bytes(s.bytes), f"{s.bytes:,}", f"{s.count:,}"] for s in view.sites]
     columns = [
         ("file:line", "left"),
         ("function", "left"),
@@ -92,7 +91,7 @@ def phases_table(phases: Any) -> Any:
     pivot = phase_peaks_table(phases, max_steps=20)
     columns = [("step", "right")] + [(str(column), "right") for column in pivot.columns]
     rows = [
-        [str(int(step)), *["" if v != v else format_bytes(int(v)) for v in row.tolist()]]
+        [str(int(step)), *["" if math.isnan(v) else format_bytes(int(v)) for v in row.tolist()]]
         for step, row in pivot.iterrows()
     ]
     return _table("per-phase peaks (phases CSV)", columns, rows)

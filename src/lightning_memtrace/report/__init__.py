@@ -55,5 +55,3 @@ def write_report(
     source = load_source(source_path_or_dir, max_bytes=max_bytes, progress=progress)
     page = render_html(source, max_points=max_points, png_path=png_path)
     return atomic_write_text(html_path, page)
-
-

@@ -73,8 +73,7 @@ def breakdown_table(view: MemoryView) -> str:
         )
     total = view.total_bytes
     rows.append(
-        f'<tr><th>total</th><th class="num">{esc(format_bytes(total))}</th><th class="num">{total:,}</th>'
-        "<th></th></tr>"
+        f'<tr><th>total</th><th class="num">{esc(format_bytes(total))}</th><th class="num">{total:,}</th><th></th></tr>'
     )
     return (
         "<table><thead><tr><th>category</th><th>bytes</th><th>exact</th><th>share</th></tr></thead>"
@@ -104,9 +103,8 @@ def ranks_html(overview: RankOverview) -> str:
     """The "Ranks" section: one row per rank, peaks side by side, and the imbalance line."""
     imb = overview.imbalance
     high = imb.high_rank if imb is not None and imb.imbalance_bytes > 0 else None
-    head = (
-        "<th>rank</th><th>snapshot</th><th>peak (snapshot)</th><th>exact</th>"
-        + "".join(f"<th>max {esc(p)} (CSV)</th>" for p in overview.phase_columns)
+    head = "<th>rank</th><th>snapshot</th><th>peak (snapshot)</th><th>exact</th>" + "".join(
+        f"<th>max {esc(p)} (CSV)</th>" for p in overview.phase_columns
     )
     rows = []
     for r in overview.ranks:

@@ -15,7 +15,15 @@ from lightning_memtrace.analysis.source import LoadedSnapshot, ReportSource
 from lightning_memtrace.analysis.view import MemoryView, snapshot_view
 from lightning_memtrace.files import ESTIMATE_COMPARISON_GLOB
 from lightning_memtrace.report.figure import DEFAULT_MAX_POINTS, build_figure, phases_figure, timeline_data
-from lightning_memtrace.report.html import breakdown_table, chart_html, phases_html, ranks_html, sites_table, summary_json, table
+from lightning_memtrace.report.html import (
+    breakdown_table,
+    chart_html,
+    phases_html,
+    ranks_html,
+    sites_table,
+    summary_json,
+    table,
+)
 from lightning_memtrace.report.png import write_png
 from lightning_memtrace.report.style import CSS, esc
 from lightning_memtrace.units import format_bytes, format_bytes_exact
@@ -87,7 +95,7 @@ def _snapshot_sections(page: _Page, main: LoadedSnapshot, source: ReportSource, 
             "peak_stage": view.stage,
             "peak_step": view.step,
             "peak_by_category": view.by_category,
-            "points": int(len(data.rows)),
+            "points": len(data.rows),
             "inferred_categories": bool(view.inferred),
         }
     )
