@@ -12,7 +12,6 @@ import sys
 import warnings
 from pathlib import Path
 
-import pytest
 import torch
 import yaml
 

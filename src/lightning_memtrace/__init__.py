@@ -17,14 +17,14 @@ _EXPORTS = {
     "RecorderConfig": "lightning_memtrace.capture.config",
     "AllocationTracker": "lightning_memtrace.capture.tracker",
     "is_out_of_memory": "lightning_memtrace.capture.oom_errors",
-    "load_phases": "lightning_memtrace.phases_csv",
+    "load_phases": "lightning_memtrace.analysis.phases",
     "Category": "lightning_memtrace.types",
     "Phase": "lightning_memtrace.types",
     "PhaseRecord": "lightning_memtrace.types",
     "Stage": "lightning_memtrace.types",
     "write_report": "lightning_memtrace.report",
-    "load_snapshot": "lightning_memtrace.snapshot_loader",
-    "SnapshotError": "lightning_memtrace.snapshot_loader",
+    "load_snapshot": "lightning_memtrace.analysis.loader",
+    "SnapshotError": "lightning_memtrace.analysis.loader",
     "estimate": "lightning_memtrace.estimator",
     "estimate_for_module": "lightning_memtrace.estimator",
     "estimate_from_config": "lightning_memtrace.estimator",
@@ -50,10 +50,10 @@ if TYPE_CHECKING:
         find_max_batch,
     )
     from lightning_memtrace.capture.config import RecorderConfig
-    from lightning_memtrace.phases_csv import load_phases
+    from lightning_memtrace.analysis.phases import load_phases
     from lightning_memtrace.capture.recorder import MemoryRecorder, MemTraceWarning
     from lightning_memtrace.report import write_report
-    from lightning_memtrace.snapshot_loader import SnapshotError, load_snapshot
+    from lightning_memtrace.analysis.loader import SnapshotError, load_snapshot
     from lightning_memtrace.capture.oom_errors import is_out_of_memory
     from lightning_memtrace.capture.tracker import AllocationTracker
     from lightning_memtrace.types import Category, Phase, PhaseRecord, Stage

@@ -23,6 +23,7 @@ from lightning_memtrace.capture.config import AllocationBackend, RecorderConfig
 from lightning_memtrace.capture.oom_errors import is_out_of_memory
 from lightning_memtrace.capture.recorder import MemoryRecorder
 from lightning_memtrace.capture.reports_backend import track_every_cpu_block
+from lightning_memtrace.files import MEMTRACE_DIR
 from lightning_memtrace.trainer import extras, ranks
 from lightning_memtrace.trainer.cadence import (
     RowMaxima,
@@ -286,7 +287,7 @@ class MemTrace(Callback):
         else:
             # trainer.log_dir broadcasts across ranks: resolve it here, where every rank is, never in on_exception.
             log_dir = trainer.log_dir or trainer.default_root_dir
-            self.output_dir = Path(log_dir) / "memtrace"
+            self.output_dir = Path(log_dir) / MEMTRACE_DIR
 
     @override
     @_guarded

@@ -1,12 +1,25 @@
-"""Phases, categories and the per-phase record that every part of MemTrace shares."""
+"""Phases, stages, categories (and their orders) and the per-phase record that every part of MemTrace shares.
+
+Every other module imports these names; none writes a phase or category list of its own.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from enum import Enum
+from typing import Any
+
+#: One stack frame in PyTorch's snapshot format: ``{"filename": str, "line": int, "name": str}``.
+Frame = dict[str, Any]
 
 
-class Phase(str, Enum):
+class TextEnum(str, Enum):
+    """An enum of strings that prints as its value (``str(Phase.BATCH_START) == "batch_start"``)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+class Phase(TextEnum):
     """The moments of a step at which MemTrace takes a row."""
 
     BATCH_START = "batch_start"
@@ -17,36 +30,68 @@ class Phase(str, Enum):
     VAL_BATCH_START = "val_batch_start"
     VAL_BATCH_END = "val_batch_end"
 
-    def __str__(self) -> str:
-        return self.value
+#: The phases of a training batch, in the order they are taken (validation phases excluded).
+TRAIN_PHASES: tuple[Phase, ...] = (
+    Phase.BATCH_START,
+    Phase.AFTER_FORWARD,
+    Phase.AFTER_BACKWARD,
+    Phase.AFTER_OPTIMIZER_STEP,
+    Phase.BATCH_END,
+)
+#: The phases of a validation batch.
+VAL_PHASES: tuple[Phase, ...] = (Phase.VAL_BATCH_START, Phase.VAL_BATCH_END)
+#: Every phase, in table order (training phases, then validation).
+PHASE_ORDER: tuple[Phase, ...] = tuple(Phase)
 
 
-class Stage(str, Enum):
-    """The part of a step that is running between two rows: where an allocation is made or an OOM happens."""
+class Stage(TextEnum):
+    """The part of a step that is running between two rows: where an allocation is made or an OOM happens.
+
+    The recorder sets six of them; a replay also tells ``init`` (a module's construction) and ``zero_grad`` apart
+    from stack frames. The member order is the code order of a replay's ``phase`` column.
+    """
 
     OUTSIDE = "outside"
+    INIT = "init"
     FORWARD = "forward"
     BACKWARD = "backward"
+    ZERO_GRAD = "zero_grad"
     OPTIMIZER_STEP = "optimizer_step"
     AFTER_STEP = "after_step"
     VALIDATION = "validation"
-
-    def __str__(self) -> str:
-        return self.value
-
     @property
     def description(self) -> str:
+        """The stage in a sentence of the post-mortem (``died in: the forward pass``)."""
         return _STAGE_DESCRIPTIONS[self]
+
+    @property
+    def words(self) -> str:
+        """The stage in a finding (``peak ... in the optimizer step of step 3``)."""
+        return _STAGE_WORDS[self]
 
 
 _STAGE_DESCRIPTIONS = {
     Stage.OUTSIDE: "outside a training batch",
+    Stage.INIT: "model set-up",
     Stage.FORWARD: "the forward pass",
     Stage.BACKWARD: "the backward pass (or zero_grad just before it)",
+    Stage.ZERO_GRAD: "zero_grad",
     Stage.OPTIMIZER_STEP: "the optimizer step",
     Stage.AFTER_STEP: "the end of the batch, after the optimizer step",
     Stage.VALIDATION: "a validation batch",
 }
+_STAGE_WORDS = {
+    Stage.OUTSIDE: "outside a training pass",
+    Stage.INIT: "model set-up",
+    Stage.FORWARD: "forward",
+    Stage.BACKWARD: "backward",
+    Stage.ZERO_GRAD: "zero_grad",
+    Stage.OPTIMIZER_STEP: "the optimizer step",
+    Stage.AFTER_STEP: "the end of the step",
+    Stage.VALIDATION: "validation",
+}
+#: Stage names, in :class:`Stage` order.
+STAGES: tuple[str, ...] = tuple(s.value for s in Stage)
 
 #: The stage that starts when a row of this phase is taken.
 STAGE_AFTER_PHASE = {
@@ -60,7 +105,7 @@ STAGE_AFTER_PHASE = {
 }
 
 
-class Category(str, Enum):
+class Category(TextEnum):
     """What a piece of live memory is for. Each storage belongs to exactly one category."""
 
     PARAMETERS = "parameters"
@@ -70,10 +115,6 @@ class Category(str, Enum):
     ACTIVATIONS = "activations"
     OTHER = "other"
 
-    def __str__(self) -> str:
-        return self.value
-
-
 #: Categories computed from storages, in the priority order used when a storage could be in two.
 MEASURED_CATEGORIES = (
     Category.PARAMETERS,
@@ -82,6 +123,48 @@ MEASURED_CATEGORIES = (
     Category.INPUTS,
     Category.ACTIVATIONS,
 )
+
+
+
+class InferredCategory(TextEnum):
+    """Categories beyond :class:`Category` that only a replay can tell apart."""
+
+    OPTIMIZER_INTERMEDIATES = "optimizer_intermediates"
+    INTERMEDIATES = "intermediates"
+    PRE_EXISTING = "pre_existing"
+
+#: Every category a replay can assign, in the stacking order of the charts (bottom first).
+CATEGORIES: tuple[str, ...] = (
+    InferredCategory.PRE_EXISTING.value,
+    Category.PARAMETERS.value,
+    Category.OPTIMIZER_STATE.value,
+    Category.GRADIENTS.value,
+    Category.INPUTS.value,
+    Category.ACTIVATIONS.value,
+    InferredCategory.INTERMEDIATES.value,
+    InferredCategory.OPTIMIZER_INTERMEDIATES.value,
+    Category.OTHER.value,
+)
+#: The categories of the phases table (:class:`Category`), in chart order.
+RECORDED_CATEGORIES: tuple[str, ...] = tuple(c for c in CATEGORIES if c in {m.value for m in Category})
+
+#: Readable names of categories, for reports.
+CATEGORY_LABELS: dict[str, str] = {
+    "pre_existing": "pre-existing",
+    "parameters": "parameters",
+    "optimizer_state": "optimizer state",
+    "gradients": "gradients",
+    "inputs": "inputs",
+    "activations": "activations",
+    "intermediates": "intermediates",
+    "optimizer_intermediates": "optimizer intermediates",
+    "other": "other",
+}
+
+
+def category_label(category: object) -> str:
+    """The readable name of a category (the name itself when it is not one)."""
+    return CATEGORY_LABELS.get(str(category), str(category))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,33 +200,13 @@ class PhaseRecord:
         return {c: getattr(self, f"{c.value}_bytes") for c in Category}
 
 
+#: The per-phase table's columns, in file order.
+PHASE_COLUMNS: list[str] = PhaseRecord.columns()
+#: Its byte columns (``allocated_bytes``... ``other_bytes``).
+BYTE_COLUMNS: list[str] = [c for c in PHASE_COLUMNS if c.endswith("_bytes")]
+#: The categories of a row, in column order.
+ROW_CATEGORIES: tuple[str, ...] = tuple(
+    c[: -len("_bytes")] for c in BYTE_COLUMNS if c[: -len("_bytes")] in {m.value for m in Category}
+)
 #: Counters of a row (CSV column without ``_bytes``), as used in logged metric keys.
-COUNTERS = (
-    "allocated",
-    "reserved",
-    "peak",
-    "parameters",
-    "gradients",
-    "optimizer_state",
-    "activations",
-    "inputs",
-    "other",
-)
-
-#: The phases of a training batch, in the order MemTrace takes their rows.
-TRAIN_PHASES = (
-    Phase.BATCH_START,
-    Phase.AFTER_FORWARD,
-    Phase.AFTER_BACKWARD,
-    Phase.AFTER_OPTIMIZER_STEP,
-    Phase.BATCH_END,
-)
-#: The phases of a validation batch.
-VAL_PHASES = (Phase.VAL_BATCH_START, Phase.VAL_BATCH_END)
-
-
-class ValueEnum(str, Enum):
-    """A string enum whose ``str()`` is its value (``f"{Precision.FP32}"`` is ``32-true``): the base of option enums."""
-
-    def __str__(self) -> str:
-        return self.value
+COUNTERS: tuple[str, ...] = tuple(c[: -len("_bytes")] for c in BYTE_COLUMNS)

@@ -7,11 +7,7 @@ GIB = 1024**3
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
 
 
-def to_mib(num_bytes: int) -> float:
-    return num_bytes / MIB
-
-
-def format_bytes(num_bytes: int | float, precision: int = 1) -> str:
+def format_bytes(num_bytes: float, precision: int = 1) -> str:
     """Format a byte count with a 1024-based unit, e.g. ``format_bytes(1536) == '1.5 KiB'``."""
     value = float(num_bytes)
     sign = "-" if value < 0 else ""
@@ -43,3 +39,8 @@ def parse_bytes(text: str) -> int:
         if lower.endswith(suffix):
             return int(float(s[: -len(suffix)]) * factors[suffix])
     return int(float(s))
+
+
+def percent(part: float, whole: float) -> float:
+    """``part`` as a percent of ``whole`` (0 when ``whole`` is 0)."""
+    return 100.0 * part / whole if whole else 0.0

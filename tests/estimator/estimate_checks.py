@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pandas as pd
 from lm_helpers import trainer
@@ -11,7 +10,7 @@ from lightning_memtrace import MemTrace, load_phases
 from lightning_memtrace.estimator import Estimate, compare_phase_peaks
 from lightning_memtrace.models import TINY_QWEN2_CONFIG
 
-CONFIGS = Path(__file__).resolve().parents[2].parent / "shared" / "reference" / "configs"
+from shared_files import CONFIGS  # noqa: F401  (the tests import it from here)
 PHASES = ["batch_start", "after_forward", "after_backward", "after_optimizer_step", "batch_end"]
 EXACT = ["parameters_bytes", "gradients_bytes", "optimizer_state_bytes", "inputs_bytes"]
 TINY_PARAM_BYTES = 13_714_432

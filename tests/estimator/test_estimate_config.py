@@ -8,6 +8,7 @@ import sys
 import textwrap
 
 import torch
+from shared_files import config_path
 from estimate_checks import CONFIGS, ONE_LAYER, ONE_LAYER_PARAM_BYTES, ONE_LAYER_TENSORS
 
 from lightning_memtrace.estimator import Estimate, estimate_from_config
@@ -49,6 +50,7 @@ def test_cuda_target_without_cuda_leaves_out_host_step_tensors(one_layer):
 
 def test_qwen2_5_1_5b_exact_fast_and_small(tmp_path):
     """The one big test: Qwen2.5-1.5B, AdamW, fp32, batch 16 x 256, in a fresh process (time and peak RSS)."""
+    config_path("qwen2.5-1.5b.json")
     script = textwrap.dedent(f"""
         import json, resource, time, warnings
         warnings.filterwarnings("ignore")

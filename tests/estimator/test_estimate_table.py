@@ -10,12 +10,12 @@ from estimate_checks import ONE_LAYER
 from lightning_memtrace.estimator import estimate_from_config
 
 
-def test_table_one_layer_fp32_adamw_cpu(one_layer, expected_estimate_text):
+def test_table_one_layer_fp32_adamw_cpu(one_layer, expected):
     est = estimate_from_config(ONE_LAYER, 2, 64, device="cpu", model=one_layer)
-    expected_estimate_text("estimate_one_layer_fp32_adamw_cpu.txt", est.table())
+    expected(est.table() + "\n", "estimate_one_layer_fp32_adamw_cpu.txt")
 
 
-def test_table_one_layer_bf16_mixed_sgd_checkpointing_accumulate(one_layer, expected_estimate_text):
+def test_table_one_layer_bf16_mixed_sgd_checkpointing_accumulate(one_layer, expected):
     est = estimate_from_config(
         ONE_LAYER,
         2,
@@ -27,4 +27,4 @@ def test_table_one_layer_bf16_mixed_sgd_checkpointing_accumulate(one_layer, expe
         accumulate_grad_batches=2,
         model=one_layer,
     )
-    expected_estimate_text("estimate_one_layer_bf16_mixed_sgd_checkpointing_cpu.txt", est.table())
+    expected(est.table() + "\n", "estimate_one_layer_bf16_mixed_sgd_checkpointing_cpu.txt")

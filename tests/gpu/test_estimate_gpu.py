@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import gc
 import json
-from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -32,7 +31,7 @@ from lightning_memtrace.models import build_causal_lm
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-CONFIGS = Path(__file__).resolve().parents[2].parent / "shared" / "reference" / "configs"
+from shared_files import CONFIGS
 GPT2 = CONFIGS / "gpt2-124m.json"
 GPT2_PARAM_BYTES = 497_759_232
 BATCH, SEQ = 8, 256

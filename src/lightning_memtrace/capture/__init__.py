@@ -1,1 +1,1 @@
-"""Capture: what a training run needs to measure its memory (torch only; no pandas, plotly or matplotlib)."""
+"""What a training run needs: measuring memory and writing it down (torch only; no pandas, plotly or matplotlib)."""

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from lightning_memtrace.frames import Frame, capture_frames
-from lightning_memtrace.types import Category
+from lightning_memtrace.capture.frames import capture_frames
+from lightning_memtrace.types import Category, Frame
 
 #: Kinds of history events: ``(ALLOC, time_us, entry)``, ``(FREE, time_us, entry, metadata)``,
 #: ``(OOM, time_us, event)``.

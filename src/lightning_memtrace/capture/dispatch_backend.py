@@ -14,9 +14,10 @@ from torch import Tensor
 
 from lightning_memtrace.capture import torch_private
 from lightning_memtrace.capture.allocation_state import AllocationState
+from lightning_memtrace.capture.frames import capture_frames
 from lightning_memtrace.capture.oom_errors import is_out_of_memory
 from lightning_memtrace.capture.storages import PLAIN_TENSORS, memory_tensors, wrapped_tensors
-from lightning_memtrace.frames import Frame, capture_frames
+from lightning_memtrace.types import Frame
 
 _RESIZING_OPS = frozenset({"resize_", "resize_as_", "set_", "resize_storage_bytes_"})
 #: How to call an operator, which of its outputs are new storages, and whether it resizes one of its arguments.

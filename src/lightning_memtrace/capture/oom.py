@@ -8,13 +8,20 @@ from typing import Any
 
 import torch
 
+from lightning_memtrace.analysis.postmortem import (
+    LiveBlock,
+    PostMortem,
+    largest_blocks_from_snapshot,
+    render_post_mortem,
+)
 from lightning_memtrace.capture.categories import CategoryCounter
 from lightning_memtrace.capture.oom_errors import requested_bytes_from_message
 from lightning_memtrace.capture.outputs import RecorderFiles
 from lightning_memtrace.capture.rows import Classified
 from lightning_memtrace.capture.tracker import AllocationTracker, OutOfMemoryEvent
 from lightning_memtrace.capture.window import HistoryWindow, cuda_allocated, cuda_reserved
-from lightning_memtrace.postmortem import LiveBlock, PostMortem, largest_blocks_from_snapshot, render_post_mortem
+from lightning_memtrace.files import oom_basename
+from lightning_memtrace.schema import HEADER_KEY
 from lightning_memtrace.types import Category
 
 
@@ -130,9 +137,9 @@ class OomCapture:
         """Write ``oom_rank<R>_step<N>.pickle`` and ``.txt``; returns the files written."""
         pm, snapshot = self.post_mortem(exception)
         snapshot = snapshot or self.window.snapshot_now()
-        snapshot["memtrace"] = self.window.header(pm.step, pm.step, 0)
-        snapshot["memtrace"]["post_mortem"] = pm.as_dict()
-        base = f"oom_rank{self.rank}_step{pm.step}"
+        snapshot[HEADER_KEY] = self.window.header(pm.step, pm.step, 0)
+        snapshot[HEADER_KEY]["post_mortem"] = pm.as_dict()
+        base = oom_basename(self.rank, pm.step)
         paths = [self.files.write_snapshot(base + ".pickle", snapshot, rotate=False)]
         paths.append(self.files.write_text(base + ".txt", render_post_mortem(pm)))
         self.last = pm

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from lightning_memtrace.atomic import atomic_write_pickle, atomic_write_text
-from lightning_memtrace.phases_csv import PhaseCsvWriter, phases_filename
+from lightning_memtrace.capture.phases_writer import PhaseCsvWriter
+from lightning_memtrace.files import phases_filename
 from lightning_memtrace.types import PhaseRecord
 
 

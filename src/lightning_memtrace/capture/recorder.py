@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_memtrace.analysis.postmortem import PostMortem
 from lightning_memtrace.capture import cuda_history
 from lightning_memtrace.capture.categories import CategoryCounter, SavedTensorsRecorder, normalize_device
 from lightning_memtrace.capture.config import RecorderConfig, choose_backend
@@ -46,7 +47,7 @@ from lightning_memtrace.capture.reports_backend import unavailable_reason
 from lightning_memtrace.capture.rows import RowPlace, RowReader
 from lightning_memtrace.capture.tracker import AllocationTracker, RowMark
 from lightning_memtrace.capture.window import HistoryWindow
-from lightning_memtrace.postmortem import PostMortem
+from lightning_memtrace.schema import format_tag
 from lightning_memtrace.types import STAGE_AFTER_PHASE, Phase, PhaseRecord, Stage
 
 #: Deferred rows (see :meth:`MemoryRecorder.flush`) are read at the end of every training batch, and during
@@ -386,7 +387,7 @@ class MemoryRecorder:
 
     def _set_stage(self, stage: Stage) -> None:
         self.stage = stage
-        metadata = f"phase={stage.value} step={self.step}"
+        metadata = format_tag(stage, self.step)
         if self.tracker is not None:
             self.tracker.set_stage(stage.value, metadata)
         if self.window.is_open and self.device.type == "cuda":

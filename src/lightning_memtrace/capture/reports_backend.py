@@ -26,7 +26,7 @@ import torch
 
 from lightning_memtrace.capture import torch_private
 from lightning_memtrace.capture.allocation_state import ALLOC, FREE, AllocationState, LiveAllocation, RowMark
-from lightning_memtrace.frames import Frame
+from lightning_memtrace.types import Frame
 
 #: (time in Unix nanoseconds, address, signed size: positive for an allocation, negative for a free)
 AllocatorEvent = tuple[int, int, int]

@@ -28,11 +28,12 @@ from lightning_memtrace.capture.allocation_state import (
     RowMark,
 )
 from lightning_memtrace.capture.dispatch_backend import DispatchBackend
+from lightning_memtrace.capture.frames import capture_frames, traceback_frames
 from lightning_memtrace.capture.oom_errors import requested_bytes_from_message
 from lightning_memtrace.capture.reports_backend import ReportsBackend, ReportsUnavailable, track_every_cpu_block
 from lightning_memtrace.capture.snapshot_builder import build_snapshot
 from lightning_memtrace.capture.storages import memory_tensors
-from lightning_memtrace.frames import Frame, capture_frames, traceback_frames
+from lightning_memtrace.types import Frame
 
 __all__ = ["AllocationTracker", "LiveAllocation", "OutOfMemoryEvent", "RowMark", "TrackerBackend"]
 

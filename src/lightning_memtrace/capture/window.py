@@ -16,8 +16,8 @@ from lightning_memtrace.capture.config import RecorderConfig
 from lightning_memtrace.capture.outputs import RecorderFiles
 from lightning_memtrace.capture.rows import Classified
 from lightning_memtrace.capture.tracker import AllocationTracker
-
-SNAPSHOT_FORMAT = 1
+from lightning_memtrace.files import step_snapshot_filename, window_snapshot_filename
+from lightning_memtrace.schema import HEADER_KEY, build_header
 
 
 def cuda_allocated(device: torch.device) -> int:
@@ -124,14 +124,14 @@ class HistoryWindow:
         last = max(first, min(planned_last, step))
         try:
             snapshot = self.snapshot_now(since_us)
-            snapshot["memtrace"] = self.header(first, last, since_us)
+            snapshot[HEADER_KEY] = self.header(first, last, since_us)
         finally:
             if self.tracker is not None:
                 self.tracker.record_history(False)
             elif self.device.type == "cuda":
                 cuda_history.set_allocation_metadata("")
                 cuda_history.stop_cuda_history()
-        return self.files.write_snapshot(f"snapshot_rank{self.rank}_steps{first}-{last}.pickle", snapshot)
+        return self.files.write_snapshot(window_snapshot_filename(self.rank, first, last), snapshot)
 
     def snapshot_now(self, since_us: int = 0) -> dict[str, Any]:
         """The allocator's state now and the history its ring buffer holds (since ``since_us``), memory_viz's format."""
@@ -146,22 +146,20 @@ class HistoryWindow:
         self._sync()
         classified = self._classify()
         tracker = self.tracker
-        return {
-            "format": SNAPSHOT_FORMAT,
-            "producer": "lightning_memtrace",
-            "device": str(self.device),
-            "rank": self.rank,
-            "steps": [first, last],
-            "allocated_bytes": tracker.counters()[0] if tracker is not None else cuda_allocated(self.device),
-            "allocated_at_start_bytes": self._start_allocated if tracker is not None else None,
-            "categories": {c.value: v for c, v in CategoryCounter.totals(classified).items()},
-            "phases": [
+        return build_header(
+            device=str(self.device),
+            rank=self.rank,
+            steps=(first, last),
+            allocated_bytes=tracker.counters()[0] if tracker is not None else cuda_allocated(self.device),
+            allocated_at_start_bytes=self._start_allocated if tracker is not None else None,
+            categories={c.value: v for c, v in CategoryCounter.totals(classified).items()},
+            phases=[
                 {"step": step, "phase": phase, "time_us": t} for step, phase, t in self.phase_marks if t >= since_us
             ],
-        }
+        )
 
     def write_snapshot(self, step: int, name: str | None = None) -> Path | None:
         """Write the current state (and the history the ring buffer holds) as a snapshot pickle now."""
         snapshot = self.snapshot_now()
-        snapshot["memtrace"] = self.header(step, step, 0)
-        return self.files.write_snapshot(name or f"snapshot_rank{self.rank}_step{step}.pickle", snapshot)
+        snapshot[HEADER_KEY] = self.header(step, step, 0)
+        return self.files.write_snapshot(name or step_snapshot_filename(self.rank, step), snapshot)

@@ -9,10 +9,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_memtrace.types import ValueEnum
+from lightning_memtrace.types import TextEnum
 
 
-class Precision(ValueEnum):
+class Precision(TextEnum):
     """Lightning's precision settings that the estimate knows."""
 
     FP32 = "32-true"
@@ -51,7 +51,7 @@ class Precision(ValueEnum):
         return {Precision.BF16_TRUE: torch.bfloat16, Precision.FP16_TRUE: torch.float16}.get(self)
 
 
-class OptimizerName(ValueEnum):
+class OptimizerName(TextEnum):
     """Optimizers the config-based estimate (and the CLI) can build."""
 
     ADAMW = "adamw"

@@ -9,6 +9,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_memtrace.files import PHASES_GLOB, phases_filename
 from lightning_memtrace.units import MIB
 
 
@@ -38,13 +39,11 @@ def estimate_run(trainer: pl.Trainer, batch: Any) -> tuple[Any, dict[str, float]
 
 def compare_with_run(estimate: Any, folder: Path | None, rank: int) -> Any:
     """Write ``estimate_vs_measured_rank<R>.csv`` next to the rank's phases CSV; returns the comparison (or None)."""
-    from lightning_memtrace.phases_csv import phases_filename
-
     csv = folder / phases_filename(rank) if folder is not None else None
     if not estimate or csv is None or not csv.is_file():
         return None
+    from lightning_memtrace.analysis.phases import load_phases
     from lightning_memtrace.estimator import compare_estimate, comparison_path, write_comparison_csv
-    from lightning_memtrace.phases_csv import load_phases
 
     try:
         comparison = compare_estimate(estimate, load_phases(csv))
@@ -58,7 +57,7 @@ def compare_with_run(estimate: Any, folder: Path | None, rank: int) -> Any:
 def write_fit_report(trainer: pl.Trainer, folder: Path | None, log_image: bool = True) -> Path | None:
     """``report.html`` and ``timeline.png`` in ``folder``; with ``log_image``, the PNG is logged to TensorBoard as
     ``memtrace/timeline``."""
-    if folder is None or not folder.is_dir() or not any(folder.glob("phases_rank*.csv")):
+    if folder is None or not folder.is_dir() or not any(folder.glob(PHASES_GLOB)):
         return None
     from lightning_memtrace.report import write_report
 

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from lightning_memtrace import cli
+from lightning_memtrace.cli import parser as cli_parser
 
-SNAPSHOTS = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "snapshots"
+SNAPSHOTS = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "snapshots"
 
 
 def snapshot_fixture(name: str) -> Path:
@@ -80,7 +81,8 @@ def test_diff_command_shows_the_extra_input(capsys: pytest.CaptureFixture[str]) 
 
 
 def test_diff_api() -> None:
-    from lightning_memtrace.report import diff_sources, load_source
+    from lightning_memtrace.analysis.diff import diff_sources
+    from lightning_memtrace.analysis.source import load_source
 
     d = diff_sources(
         load_source(snapshot_fixture("shreyansh26_profile_no_grad.pkl")),
@@ -127,9 +129,9 @@ def test_builtin_subcommands() -> None:
 
 
 def test_registered_subcommand(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cli, "_REGISTERED", [])
+    monkeypatch.setattr(cli_parser, "_REGISTERED", [])
 
-    def add_subcommand(subparsers) -> None:  # noqa: ANN001
+    def add_subcommand(subparsers) -> None:
         parser = subparsers.add_parser("dummy", help="a subcommand registered by another module")
         parser.add_argument("--batch", type=int, default=1)
         parser.set_defaults(func=lambda args: print(f"batch={args.batch}") or 0)
@@ -138,7 +140,7 @@ def test_registered_subcommand(capsys: pytest.CaptureFixture[str], monkeypatch: 
     assert run_main(["dummy", "--batch", "4"]) == 0
     assert capsys.readouterr().out.strip() == "batch=4"
 
-    def failing(subparsers) -> None:  # noqa: ANN001
+    def failing(subparsers) -> None:
         parser = subparsers.add_parser("boom")
         parser.set_defaults(func=lambda args: (_ for _ in ()).throw(ValueError("bad\nvalue")))
 
@@ -151,7 +153,7 @@ def test_console_script_refuses_hostile_pickle(tmp_path: Path) -> None:
     marker = tmp_path / "marker"
 
     class Evil:
-        def __reduce__(self):  # noqa: ANN204
+        def __reduce__(self):
             return (os.system, (f"touch {marker}",))
 
     evil = tmp_path / "evil.pickle"
@@ -180,7 +182,7 @@ def test_console_script_refuses_hostile_pickle(tmp_path: Path) -> None:
 
 
 def test_summary_of_a_log_folder_with_only_the_csv(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from lightning_memtrace.phases_csv import PhaseCsvWriter
+    from lightning_memtrace.capture.phases_writer import PhaseCsvWriter
     from lightning_memtrace.types import Phase, PhaseRecord
 
     folder = tmp_path / "memtrace"

@@ -5,8 +5,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from lightning_memtrace.frames import Frame, format_frame, user_frame
-from lightning_memtrace.types import Category, Stage
+from lightning_memtrace.analysis.frames import format_frame, user_frame
+from lightning_memtrace.analysis.view import post_mortem_view
+from lightning_memtrace.types import Category, Frame, Stage
 from lightning_memtrace.units import format_bytes, format_bytes_exact
 
 
@@ -105,23 +106,16 @@ def render_post_mortem(pm: PostMortem) -> str:
     lines.append(f"error:         {pm.exception_type}: {pm.message}")
     if pm.failing_frames:
         lines.append(f"failed at:     {format_frame(user_frame(pm.failing_frames))}")
+    view = post_mortem_view(pm)
     lines += ["", "live memory by category:"]
-    for category in Category:
-        value = pm.categories.get(category.value, 0)
-        lines.append(f"  {category.value:<16} {format_bytes(value):>12}  ({value:,} B)")
-    lines += ["", f"{len(pm.largest)} largest live allocations:"]
-    for index, block in enumerate(pm.largest, 1):
-        if block.frames:
-            where = format_frame(user_frame(block.frames))
-        elif not block.metadata and not pm.device.startswith("cuda"):
-            where = "<made before MemTrace started>"
-        elif pm.device.startswith("cuda"):
-            where = "<no stack: the allocator's history was not recording>"
-        else:
-            where = "<no stack: made outside the history window>"
-        made = f" [{block.metadata}]" if block.metadata else ""
-        category = f" {block.category}" if block.category else ""
-        lines.append(f"  {index:>2}. {format_bytes(block.nbytes):>12}  ({block.nbytes:,} B){category}{made}  {where}")
+    lines += [
+        f"  {share.category:<16} {format_bytes(share.bytes):>12}  ({share.bytes:,} B)" for share in view.categories
+    ]
+    lines += ["", f"{len(view.sites)} largest live allocations:"]
+    for index, site in enumerate(view.sites, 1):
+        made = f" [{site.note}]" if site.note else ""
+        category = f" {site.category}" if site.category else ""
+        lines.append(f"  {index:>2}. {format_bytes(site.bytes):>12}  ({site.bytes:,} B){category}{made}  {site.where}")
     lines += ["", "what to change:"]
     lines += [f"  - {tip}" for tip in advice(pm)]
     return "\n".join(lines) + "\n"

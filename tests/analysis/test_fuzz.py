@@ -9,14 +9,13 @@ import time
 from contextlib import redirect_stderr
 from pathlib import Path
 
-import pytest
 import torch
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "snapshots"
+FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "snapshots"
 from lightning_memtrace import MemoryRecorder
+from lightning_memtrace.analysis.loader import SnapshotError, load_snapshot
+from lightning_memtrace.analysis.replay import replay
 from lightning_memtrace.cli import main as memtrace_main
-from lightning_memtrace.replay import replay
-from lightning_memtrace.snapshot_loader import SnapshotError, load_snapshot
 
 SEEDS = ["shreyansh26_profile_grad.pkl", "drisspg_mini_snapshot.pickle", "Muduard_memory_snapshot.pkl"]
 BUDGET_S = 20.0

@@ -1,4 +1,7 @@
-"""Python stack capture in the frame format of PyTorch's memory snapshots (innermost frame first)."""
+"""Python stack capture in the frame format of PyTorch's memory snapshots (innermost frame first).
+
+Which of these frames is library code is :mod:`lightning_memtrace.analysis.frames`' business.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +9,11 @@ import os
 import sys
 from types import FrameType
 
-Frame = dict  # {"filename": str, "line": int, "name": str}
+from lightning_memtrace.types import Frame
 
 _FRAME_CACHE: dict[tuple[object, int], Frame] = {}
 _FRAME_CACHE_LIMIT = 200_000
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # lightning_memtrace/
 # torch's wrappers around a dispatch mode's handler: not where the allocation was asked for.
 _DISPATCH_FILES = (
     os.path.join("_dynamo", "eval_frame.py"),
@@ -56,44 +59,3 @@ def traceback_frames(exception: BaseException, depth: int = 48) -> list[Frame]:
         tb = tb.tb_next
     out.reverse()
     return out[:depth]
-
-
-_LIBRARY_MARKERS = (
-    f"{os.sep}torch{os.sep}",
-    f"{os.sep}lightning{os.sep}",
-    f"{os.sep}pytorch_lightning{os.sep}",
-    f"{os.sep}lightning_fabric{os.sep}",
-    f"{os.sep}lightning_memtrace{os.sep}",
-    f"{os.sep}lightning_utilities{os.sep}",
-    "/torch/",
-    "\\torch\\",
-)
-
-
-def is_library_frame(filename: str) -> bool:
-    if not filename or filename.startswith("<") or filename in ("??", ""):
-        return True
-    if any(marker in filename for marker in _LIBRARY_MARKERS):
-        return True
-    # The standard library: under sys's prefix but not in site-packages.
-    return filename.startswith(sys.base_prefix) and "site-packages" not in filename
-
-
-def user_frame(frames: list[Frame] | None) -> Frame | None:
-    """The innermost frame outside torch, Lightning and the standard library: the line a user would change."""
-    if not frames:
-        return None
-    for frame in frames:
-        if not is_library_frame(str(frame.get("filename", ""))):
-            return frame
-    for frame in frames:
-        filename = str(frame.get("filename", ""))
-        if filename.endswith(".py"):
-            return frame
-    return frames[0]
-
-
-def format_frame(frame: Frame | None) -> str:
-    if frame is None:
-        return "<unknown>"
-    return f"{frame.get('filename', '?')}:{frame.get('line', '?')} in {frame.get('name', '?')}"

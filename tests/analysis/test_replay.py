@@ -10,10 +10,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_memtrace.replay import CATEGORIES, analyze_frames, replay
-from lightning_memtrace.snapshot_loader import load_snapshot
+from lightning_memtrace.analysis.loader import load_snapshot
+from lightning_memtrace.analysis.replay import replay
+from lightning_memtrace.analysis.stacks import analyze_frames
+from lightning_memtrace.types import CATEGORIES
 
-SNAPSHOTS = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "snapshots"
+SNAPSHOTS = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "snapshots"
 
 
 def snapshot_fixture(name: str) -> Path:
@@ -24,7 +26,7 @@ def snapshot_fixture(name: str) -> Path:
     return path
 
 
-def _replay(name: str):  # noqa: ANN202
+def _replay(name: str):
     return replay(load_snapshot(snapshot_fixture(name)))
 
 
@@ -444,7 +446,7 @@ _segment = st.fixed_dictionaries(
     st.lists(st.dictionaries(st.sampled_from(["name", "stage", "time_us", "device"]), _scalars), max_size=3),
 )
 def test_replay_never_crashes_on_odd_snapshots(segments: list[Any], traces: list[Any], annotations: list[Any]) -> None:
-    from lightning_memtrace.snapshot_loader import SnapshotError, normalize
+    from lightning_memtrace.analysis.loader import SnapshotError, normalize
 
     try:
         data, _ = normalize({"segments": segments, "device_traces": traces, "external_annotations": annotations})

@@ -1,28 +1,20 @@
-"""The per-phase CSV: one flushed line per row, appended on resume, and :func:`load_phases` to read it back."""
+"""The per-phase CSV writer: one flushed line per row, appended on resume (no pandas: a training run imports it).
+
+:func:`lightning_memtrace.analysis.phases.load_phases` reads it back.
+"""
 
 from __future__ import annotations
 
-import glob
 import os
-import re
 from pathlib import Path
 
-import pandas as pd
+from lightning_memtrace.types import PHASE_COLUMNS, PhaseRecord
 
-from lightning_memtrace.types import PhaseRecord
-
-COLUMNS = PhaseRecord.columns()
-BYTE_COLUMNS = [c for c in COLUMNS if c.endswith("_bytes")]
-INT_COLUMNS = ["step", "epoch", "batch_idx", "rank", *BYTE_COLUMNS]
-_HEADER = ",".join(COLUMNS) + "\n"
+_HEADER = ",".join(PHASE_COLUMNS) + "\n"
 # One format for a whole line (floats as %.6f, the rest as they print): a row is written many times per step.
-_LINE = ",".join("%.6f" if c == "time_s" else "%s" for c in COLUMNS) + "\n"
-_FIELDS = tuple(COLUMNS)
+_LINE = ",".join("%.6f" if c == "time_s" else "%s" for c in PHASE_COLUMNS) + "\n"
+_FIELDS = tuple(PHASE_COLUMNS)
 _PHASE_INDEX = _FIELDS.index("phase")
-
-
-def phases_filename(rank: int) -> str:
-    return f"phases_rank{rank}.csv"
 
 
 class PhaseCsvWriter:
@@ -83,54 +75,3 @@ class PhaseCsvWriter:
         fd, self._fd = self._fd, -1
         if fd >= 0:
             os.close(fd)
-
-
-def _phase_files(path: str | os.PathLike) -> list[Path]:
-    target = Path(path)
-    if target.is_file():
-        return [target]
-    candidates = []
-    for folder in (target, target / "memtrace"):
-        candidates.extend(Path(p) for p in glob.glob(str(folder / "phases_rank*.csv")))
-    if not candidates:
-        candidates = [Path(p) for p in glob.glob(str(target / "**" / "memtrace" / "phases_rank*.csv"), recursive=True)]
-    return sorted(set(candidates), key=_rank_of)
-
-
-def _rank_of(path: Path) -> tuple[int, str]:
-    found = re.search(r"rank(\d+)", path.name)
-    return (int(found.group(1)) if found else 0, str(path))
-
-
-def load_phases(path_or_log_dir: str | os.PathLike) -> pd.DataFrame:
-    """Read MemTrace's per-phase table.
-
-    Args:
-        path_or_log_dir: A ``phases_rank<R>.csv`` file, a ``memtrace`` folder, or a log directory holding one (the
-            logger's ``log_dir``); every rank's file found there is read and concatenated.
-
-    Returns:
-        A DataFrame with the columns of :class:`~lightning_memtrace.types.PhaseRecord`; byte columns are ``int64``.
-        Rows with a missing field (a line cut by a crash) are dropped.
-
-    Raises:
-        FileNotFoundError: No phases file was found.
-    """
-    files = _phase_files(path_or_log_dir)
-    if not files:
-        raise FileNotFoundError(f"no MemTrace phases CSV (phases_rank<R>.csv) found at {path_or_log_dir}")
-    frames = []
-    for file in files:
-        frame = pd.read_csv(file, on_bad_lines="skip")
-        missing = [c for c in COLUMNS if c not in frame.columns]
-        if missing:
-            raise ValueError(f"{file} is not a MemTrace phases CSV: missing columns {missing}")
-        frame = frame[COLUMNS]
-        for column in INT_COLUMNS:
-            frame[column] = pd.to_numeric(frame[column], errors="coerce")
-        frame["time_s"] = pd.to_numeric(frame["time_s"], errors="coerce")
-        frame = frame.dropna(subset=[*INT_COLUMNS, "time_s"])
-        frame = frame.astype({c: "int64" for c in INT_COLUMNS})
-        frame["phase"] = frame["phase"].astype(str)
-        frames.append(frame)
-    return pd.concat(frames, ignore_index=True)

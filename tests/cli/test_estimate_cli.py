@@ -6,15 +6,14 @@ import argparse
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from lightning_memtrace.estimate_cli import add_estimate_subcommand, main, run_estimate
+from lightning_memtrace.cli.estimate import add_estimate_subcommand, main, run_estimate
 from lightning_memtrace.estimator import build_meta_model, estimate_from_config
 from lightning_memtrace.models import TINY_QWEN2_CONFIG
 
-CONFIGS = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "configs"
+from shared_files import CONFIGS, config_path
 TINY = str(CONFIGS / "qwen2-tiny.json")
 TINY_PARAM_BYTES = 13_714_432
 ONE_LAYER = dict(TINY_QWEN2_CONFIG, num_hidden_layers=1)
@@ -142,6 +141,7 @@ def test_subcommand_wiring():
 
 
 def test_standalone_module_runs():
+    config_path("qwen2-tiny.json")
     out = subprocess.run(
         [
             sys.executable,

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from lightning_memtrace import load_phases
-from lightning_memtrace.phases_csv import COLUMNS, PhaseCsvWriter
+from lightning_memtrace.capture.phases_writer import PhaseCsvWriter
+from lightning_memtrace.types import PHASE_COLUMNS as COLUMNS
 from lightning_memtrace.types import Phase, PhaseRecord
 
 

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lightning_memtrace.schema import read_header
 from lightning_memtrace.units import format_bytes
 
 #: Default cap on the bytes read (and, for gzip and HTML, decompressed/decoded) from one snapshot file.
@@ -60,7 +61,7 @@ class RestrictedUnpickler(pickle.Unpickler):
     :class:`SnapshotError` before it is imported, so no code from the file runs.
     """
 
-    def find_class(self, module: str, name: str) -> Any:  # noqa: D102 - see class docstring
+    def find_class(self, module: str, name: str) -> Any:
         allowed = _ALLOWED_GLOBALS.get((module, name))
         if allowed is None:
             raise SnapshotError(
@@ -69,7 +70,7 @@ class RestrictedUnpickler(pickle.Unpickler):
             )
         return allowed
 
-    def persistent_load(self, pid: Any) -> Any:  # noqa: D102
+    def persistent_load(self, pid: Any) -> Any:
         raise SnapshotError("refused to unpickle: the file uses persistent ids; a memory snapshot never does")
 
 
@@ -100,8 +101,7 @@ class Snapshot:
     @property
     def memtrace(self) -> dict[str, Any] | None:
         """MemTrace's own header (``format``, ``device``, ``rank``, ``steps``, ``phases``...), or None."""
-        value = self.data.get("memtrace")
-        return value if isinstance(value, dict) else None
+        return read_header(self.data)
 
     @property
     def external_annotations(self) -> list[dict[str, Any]]:
@@ -274,39 +274,52 @@ def normalize(value: Any, where: str = "<snapshot>") -> tuple[dict[str, Any], st
         keys = ", ".join(sorted(str(k) for k in list(value)[:8]))
         raise SnapshotError(f"{where}: a pickled dict without 'segments' or 'device_traces' (keys: {keys})")
     data = dict(value)
-    segments = data.get("segments") or []
-    traces = data.get("device_traces") or []
+    segments = _checked_segments(data.get("segments") or [], where)
+    data["segments"] = segments
+    data["device_traces"] = _checked_traces(data.get("device_traces") or [], where)
+    return data, layout
+
+
+def _checked_segments(segments: Any, where: str) -> list[dict[str, Any]]:
+    """The segments, each with a ``blocks`` list."""
     if not isinstance(segments, list) or not all(isinstance(s, dict) for s in segments):
         raise SnapshotError(f"{where}: 'segments' is not a list of segment dicts")
-    if isinstance(traces, dict):  # some tools key traces by device
-        try:
-            size = max(int(k) for k in traces) + 1 if traces else 0
-        except (TypeError, ValueError):
-            raise SnapshotError(f"{where}: 'device_traces' keyed by something other than device numbers") from None
-        listed: list[list[dict[str, Any]]] = [[] for _ in range(size)]
-        for key, trace in traces.items():
-            listed[int(key)] = trace
-        traces = listed
-    if not isinstance(traces, list):
-        raise SnapshotError(f"{where}: 'device_traces' is not a list")
-    clean_traces: list[list[dict[str, Any]]] = []
-    for device, trace in enumerate(traces):
-        if trace is None:
-            trace = []
-        if not isinstance(trace, list):
-            raise SnapshotError(f"{where}: the trace of device {device} is not a list")
-        if trace and not (isinstance(trace[0], dict) and isinstance(trace[-1], dict)):
-            raise SnapshotError(f"{where}: the trace of device {device} holds non-dict events")
-        clean_traces.append(trace)
     for segment in segments:
         blocks = segment.get("blocks")
         if blocks is None:
             segment["blocks"] = []
         elif not isinstance(blocks, list):
             raise SnapshotError(f"{where}: a segment's 'blocks' is not a list")
-    data["segments"] = segments
-    data["device_traces"] = clean_traces
-    return data, layout
+    return segments
+
+
+def _traces_by_device(traces: dict[Any, Any], where: str) -> list[Any]:
+    """Traces keyed by device number (some tools write them so) as a list."""
+    try:
+        size = max(int(k) for k in traces) + 1 if traces else 0
+    except (TypeError, ValueError):
+        raise SnapshotError(f"{where}: 'device_traces' keyed by something other than device numbers") from None
+    listed: list[Any] = [[] for _ in range(size)]
+    for key, trace in traces.items():
+        listed[int(key)] = trace
+    return listed
+
+
+def _checked_traces(traces: Any, where: str) -> list[list[dict[str, Any]]]:
+    """One list of event dicts per device (None → empty)."""
+    if isinstance(traces, dict):
+        traces = _traces_by_device(traces, where)
+    if not isinstance(traces, list):
+        raise SnapshotError(f"{where}: 'device_traces' is not a list")
+    clean: list[list[dict[str, Any]]] = []
+    for device, trace in enumerate(traces):
+        trace = [] if trace is None else trace
+        if not isinstance(trace, list):
+            raise SnapshotError(f"{where}: the trace of device {device} is not a list")
+        if trace and not (isinstance(trace[0], dict) and isinstance(trace[-1], dict)):
+            raise SnapshotError(f"{where}: the trace of device {device} holds non-dict events")
+        clean.append(trace)
+    return clean
 
 
 def load_snapshot(

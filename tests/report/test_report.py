@@ -12,11 +12,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from lightning_memtrace.replay import replay
-from lightning_memtrace.report import downsample_rows, load_source, write_report
-from lightning_memtrace.snapshot_loader import SnapshotError, load_snapshot
+from lightning_memtrace.analysis.loader import SnapshotError, load_snapshot
+from lightning_memtrace.analysis.replay import replay
+from lightning_memtrace.analysis.source import load_source
+from lightning_memtrace.report import write_report
+from lightning_memtrace.report.figure import downsample_rows
 
-SNAPSHOTS = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "snapshots"
+SNAPSHOTS = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "snapshots"
 ALL_FIXTURES = [
     "shreyansh26_profile_grad.pkl",
     "shreyansh26_profile_no_grad.pkl",
@@ -253,7 +255,7 @@ def test_downsample_keeps_every_local_maximum() -> None:
 
 
 def test_log_folder(tmp_path: Path) -> None:
-    from lightning_memtrace.phases_csv import PhaseCsvWriter
+    from lightning_memtrace.capture.phases_writer import PhaseCsvWriter
     from lightning_memtrace.types import Phase, PhaseRecord
 
     folder = tmp_path / "logs" / "memtrace"
@@ -376,7 +378,7 @@ def test_real_memtrace_recorder_output(tmp_path: Path) -> None:
         from lightning_memtrace.capture.recorder import MemoryRecorder
     except ImportError:  # pragma: no cover - the recorder is another part of the package
         pytest.skip("MemoryRecorder unavailable")
-    from lightning_memtrace.phases_csv import load_phases
+    from lightning_memtrace.analysis.phases import load_phases
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.GELU(), torch.nn.Linear(256, 128))
@@ -420,7 +422,7 @@ def test_real_memtrace_recorder_output(tmp_path: Path) -> None:
 
 
 def test_findings_name_causes_with_numbers() -> None:
-    from lightning_memtrace.findings import compute_findings
+    from lightning_memtrace.analysis.findings import compute_findings
 
     gib = 1024**3
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from lightning_memtrace.snapshot_loader import Snapshot, SnapshotError, load_snapshot, normalize
+from lightning_memtrace.analysis.loader import Snapshot, SnapshotError, load_snapshot, normalize
 
-SNAPSHOTS = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "snapshots"
+SNAPSHOTS = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "snapshots"
 
 
 def snapshot_fixture(name: str) -> Path:
@@ -121,7 +121,7 @@ class _Evil:
     def __init__(self, marker: Path) -> None:
         self.marker = marker
 
-    def __reduce__(self):  # noqa: ANN204
+    def __reduce__(self):
         return (os.system, (f"touch {self.marker}",))
 
 
@@ -211,7 +211,7 @@ def test_truncated_directory_missing_and_size_limit(tmp_path: Path) -> None:
 
 
 def test_progress_callback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import lightning_memtrace.snapshot_loader as loader
+    from lightning_memtrace.analysis import loader
 
     monkeypatch.setattr(loader, "PROGRESS_THRESHOLD_BYTES", 1)
     monkeypatch.setattr(loader, "_CHUNK", 4096)

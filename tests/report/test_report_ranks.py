@@ -11,10 +11,10 @@ import torch
 from test_report import external_loads, summary_json
 
 from lightning_memtrace import MemoryRecorder, cli
-from lightning_memtrace.findings import RANK_IMBALANCE_PERCENT, rank_imbalance, rank_imbalance_finding
-from lightning_memtrace.replay import replay
+from lightning_memtrace.analysis.loader import load_snapshot
+from lightning_memtrace.analysis.ranks import RANK_IMBALANCE_PERCENT, rank_imbalance, rank_imbalance_finding
+from lightning_memtrace.analysis.replay import replay
 from lightning_memtrace.report import write_report
-from lightning_memtrace.snapshot_loader import load_snapshot
 
 
 def _run_rank(folder: Path, rank: int, batch: int, steps: int = 2) -> None:

@@ -1,0 +1,310 @@
+"""Plain-language findings from a replay (and MemTrace's phases table): where the peak is, what it is made of, what
+to change. Every finding carries its numbers as integers (bytes) so that tests and tools can check them."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pandas as pd
+
+from lightning_memtrace.analysis.model import Replay
+from lightning_memtrace.schema import header_is_cpu, header_steps
+from lightning_memtrace.types import ROW_CATEGORIES, STAGES, Stage, TextEnum, category_label
+from lightning_memtrace.units import format_bytes, percent
+
+
+class Severity(TextEnum):
+    """How much a finding matters."""
+
+    INFO = "info"
+    WARNING = "warning"
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """One finding.
+
+    Attributes:
+        code: Stable identifier (``peak``, ``stale_gradients``, ``fragmentation``...).
+        message: The sentence shown to the user, with numbers.
+        severity: ``info`` or ``warning``.
+        numbers: The figures behind the message (bytes as ints, ratios as floats).
+    """
+
+    code: str
+    message: str
+    severity: Severity = Severity.INFO
+    numbers: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+_ADVICE = {
+    "activations": "gradient checkpointing, a smaller micro-batch (with gradient accumulation) or mixed precision "
+    "lowers it",
+    "optimizer_state": "a sharded optimizer (FSDP / ZeRO), an 8-bit optimizer or a stateless one (SGD) lowers it",
+    "parameters": "bf16/fp16 weights, sharding (FSDP) or a smaller model lowers it",
+    "gradients": "sharding gradients (FSDP / ZeRO-2), lower-precision gradients or freezing layers lowers it",
+    "optimizer_intermediates": "a fused optimizer (fused=True) or foreach=False avoids these temporary copies",
+    "intermediates": "fusing operations (torch.compile) or in-place ops lowers these temporaries",
+    "inputs": "a smaller batch, or moving data to the device one batch at a time, lowers it",
+    "pre_existing": "it was allocated before recording began: start recording earlier to see what it is",
+    "other": "look at the largest allocation sites below",
+}
+
+
+def _function_note(row: pd.Series) -> str:
+    site, function = str(row["site"]), str(row["function"])
+    return "" if site == function else f" ({function})"
+
+
+def _where(stage: str, step: int) -> str:
+    words = Stage(stage).words if stage in STAGES else stage
+    return f"in {words} of step {step}" if step >= 0 else f"in {words}"
+
+
+def _inferred_note(replay: Replay) -> str:
+    peak = replay.main.peak
+    total = peak.live_bytes
+    if not replay.is_memtrace and replay.inferred:
+        return " (categories inferred from stack frames)"
+    if peak.inferred_bytes > 0 and total > 0:
+        return f" ({percent(peak.inferred_bytes, total):.0f}% of these bytes categorised by inference)"
+    return ""
+
+
+def peak_finding(replay: Replay) -> list[Finding]:
+    """Where the peak is, its three largest categories and what lowers the largest (``empty`` when nothing is live)."""
+    peak = replay.main.peak
+    total = peak.live_bytes
+    if not peak.by_category:
+        if total == 0:
+            return [
+                Finding("empty", "the snapshot holds no live allocation and no trace", Severity.INFO, {"peak_bytes": 0})
+            ]
+        return []
+    top_cat, top_bytes = next(iter(peak.by_category.items()))
+    parts = ", ".join(
+        f"{category_label(c)} {percent(b, total):.0f}% ({format_bytes(b)})"
+        for c, b in list(peak.by_category.items())[:3]
+    )
+    where = _where(peak.stage, peak.step) if peak.index >= 0 else "at dump time"
+    message = (
+        f"peak {format_bytes(total)} ({total:,} B) {where}: {parts}; "
+        f"the largest share is {category_label(top_cat)}: "
+        f"{_ADVICE.get(top_cat, _ADVICE['other'])}{_inferred_note(replay)}"
+    )
+    numbers = {
+        "peak_bytes": total,
+        "stage": peak.stage,
+        "step": peak.step,
+        "top_category": top_cat,
+        "top_bytes": int(top_bytes),
+        "by_category": dict(peak.by_category),
+    }
+    return [Finding("peak", message, Severity.INFO, numbers)]
+
+
+def stale_gradients_finding(replay: Replay) -> list[Finding]:
+    """The previous step's gradients alive during forward (over 1% of the peak)."""
+    main = replay.main
+    tl = main.timeline
+    if not len(tl) or not main.allocations["category"].isin(["gradients"]).any():
+        return []
+    fwd_rows = (tl["phase"] == "forward").to_numpy().nonzero()[0]
+    if not len(fwd_rows):
+        return []
+    series = main.category_series(fwd_rows, categories=["gradients"])
+    if "gradients" not in series:
+        return []
+    grads = series["gradients"]
+    best = int(grads.max())
+    if best <= 0.01 * max(main.peak.live_bytes, 1):
+        return []
+    row = int(grads.idxmax())
+    step = int(tl["step"].iat[row])
+    message = (
+        f"the previous step's gradients, {format_bytes(best)} ({best:,} B), are alive during "
+        f"forward{f' of step {step}' if step >= 0 else ''}: call "
+        "optimizer.zero_grad(set_to_none=True) right after optimizer.step() (Lightning does by "
+        "default) to free them before the next forward"
+    )
+    return [Finding("stale_gradients", message, Severity.WARNING, {"gradients_bytes": best, "row": row, "step": step})]
+
+
+def fragmentation_finding(replay: Replay) -> list[Finding]:
+    """Reserved beyond allocated at the peak: a warning from 20%, a note from 5% (CUDA only)."""
+    main = replay.main
+    total = main.peak.live_bytes
+    if not main.reserved_known or header_is_cpu(replay.memtrace) or total <= 0:
+        return []
+    reserved = max(main.peak.reserved_bytes, 0)
+    if reserved <= total:
+        return []
+    extra = reserved - total
+    ratio = extra / total
+    numbers = {"reserved_bytes": reserved, "allocated_bytes": total, "extra_bytes": extra, "ratio": ratio}
+    if ratio >= 0.2:
+        hint = (
+            "expandable_segments is already on: fewer distinct tensor sizes (padding, bucketing) helps"
+            if bool(replay.allocator_settings.get("expandable_segments", False))
+            else "try PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+        )
+        message = (
+            f"reserved exceeds allocated by {ratio * 100:.0f}% at the peak ({format_bytes(reserved)} "
+            f"reserved, {format_bytes(total)} allocated, {format_bytes(extra)} cached but unused): {hint}"
+        )
+        return [Finding("fragmentation", message, Severity.WARNING, numbers)]
+    if ratio >= 0.05:
+        message = (
+            f"reserved exceeds allocated by {ratio * 100:.0f}% at the peak ({format_bytes(reserved)} "
+            f"reserved for {format_bytes(total)} allocated): little fragmentation"
+        )
+        return [Finding("reserved", message, Severity.INFO, numbers)]
+    return []
+
+
+def top_site_findings(replay: Replay, max_sites: int = 1) -> list[Finding]:
+    """The largest allocation sites at the peak (pre-existing blocks have their own finding)."""
+    peak = replay.main.peak
+    total = peak.live_bytes
+    sites = peak.sites
+    if total <= 0 or not len(sites):
+        return []
+    sites = sites[sites["category"] != "pre_existing"]
+    out = []
+    for _, row in sites.head(max_sites).iterrows():
+        b = int(row["bytes"])
+        message = (
+            f"{row['site']}{_function_note(row)} holds {format_bytes(b)} ({b:,} B) in {int(row['count']):,} "
+            f"allocation(s) at the peak, {percent(b, total):.0f}% of it ({category_label(row['category'])})"
+        )
+        out.append(
+            Finding(
+                "top_site", message, Severity.INFO, {"site": str(row["site"]), "bytes": b, "count": int(row["count"])}
+            )
+        )
+    return out
+
+
+def pre_existing_finding(replay: Replay) -> list[Finding]:
+    """Bytes already live when the trace (or MemTrace's window) began."""
+    main = replay.main
+    total = main.peak.live_bytes
+    if main.seed_bytes <= 0 or total <= 0 or not len(main.timeline):
+        return []
+    share = (
+        f"{format_bytes(main.seed_bytes)} ({main.seed_bytes:,} B, {percent(main.seed_bytes, total):.0f}% of the peak)"
+    )
+    if replay.is_memtrace:
+        steps = header_steps(replay.memtrace)
+        window = f" (steps {steps[0]}-{steps[1]})" if steps is not None else ""
+        message = f"{share} was already allocated when this snapshot's window{window} began"
+    else:
+        message = (
+            f"{share} was allocated before recording began (taken from the snapshot's segments); call "
+            "torch.cuda.memory._record_memory_history() before building the model to see what it is"
+        )
+        grads = int(main.peak.by_category.get("gradients", 0))
+        if grads and abs(grads - main.seed_bytes) <= 0.01 * grads:
+            message += f" (it is the size of the gradients, {format_bytes(grads)}: most likely the parameters)"
+    return [Finding("pre_existing", message, Severity.INFO, {"seed_bytes": main.seed_bytes})]
+
+
+def unknown_frees_finding(replay: Replay) -> list[Finding]:
+    """Frees of allocations the trace never saw."""
+    count = replay.main.unknown_frees
+    if not count:
+        return []
+    message = (
+        f"{count} free(s) of allocations made before the trace began (recording started late or "
+        "its ring buffer dropped them): counted as pre-existing"
+    )
+    return [Finding("unknown_frees", message, Severity.INFO, {"unknown_frees": count})]
+
+
+def oom_findings(replay: Replay) -> list[Finding]:
+    """The first three out-of-memory events of the trace."""
+    tl = replay.main.timeline
+    out = []
+    for row in replay.main.oom_rows[:3]:
+        size = int(tl["size"].iat[row])
+        live = int(tl["live_bytes"].iat[row])
+        message = (
+            f"out of memory {_where(str(tl['phase'].iat[row]), int(tl['step'].iat[row]))}: {format_bytes(size)} "
+            f"({size:,} B) requested with {format_bytes(live)} live"
+        )
+        out.append(Finding("oom", message, Severity.WARNING, {"requested_bytes": size, "live_bytes": live, "row": row}))
+    return out
+
+
+def devices_finding(replay: Replay) -> list[Finding]:
+    """Several devices in one snapshot: their peaks, and which one the report shows."""
+    if len(replay.devices) <= 1:
+        return []
+    peaks = ", ".join(f"device {d}: {format_bytes(r.peak.live_bytes)}" for d, r in sorted(replay.devices.items()))
+    message = f"{len(replay.devices)} devices in the snapshot ({peaks}); the report shows device {replay.main.device}"
+    return [Finding("devices", message, Severity.INFO, {"devices": sorted(replay.devices)})]
+
+
+def compute_findings(replay: Replay, phases: pd.DataFrame | None = None, max_sites: int = 1) -> list[Finding]:
+    """Findings for the main device of a replay, plus the per-phase table when given.
+
+    Args:
+        replay: The replay.
+        phases: MemTrace's phases table (``load_phases``), or None.
+        max_sites: How many allocation sites to name.
+
+    Returns:
+        Findings, most important first: each rule above in turn.
+    """
+    out: list[Finding] = []
+    out += peak_finding(replay)
+    out += stale_gradients_finding(replay)
+    out += fragmentation_finding(replay)
+    out += top_site_findings(replay, max_sites)
+    out += pre_existing_finding(replay)
+    out += unknown_frees_finding(replay)
+    out += oom_findings(replay)
+    out += devices_finding(replay)
+    if phases is not None and len(phases):
+        out += phase_findings(phases)
+    return out
+
+
+def phase_findings(phases: pd.DataFrame) -> list[Finding]:
+    """Findings from MemTrace's per-phase table: the phase with the highest peak and its composition."""
+    out: list[Finding] = []
+    if "peak_bytes" not in phases or not len(phases):
+        return out
+    row = phases.loc[phases["peak_bytes"].idxmax()]
+    peak = int(row["peak_bytes"])
+    cats = {c: int(row[f"{c}_bytes"]) for c in ROW_CATEGORIES if f"{c}_bytes" in row and int(row[f"{c}_bytes"]) > 0}
+    allocated = int(row.get("allocated_bytes", 0))
+    composition = ", ".join(
+        f"{category_label(c)} {format_bytes(b)}" for c, b in sorted(cats.items(), key=lambda kv: -kv[1])[:3]
+    )
+    out.append(
+        Finding(
+            "phase_peak",
+            f"highest peak in the phases table: {format_bytes(peak)} ({peak:,} B) by {row['phase']} of step "
+            f"{int(row['step'])} (rank {int(row['rank'])}); at that row {format_bytes(allocated)} was allocated"
+            + (f": {composition}" if composition else ""),
+            Severity.INFO,
+            {"peak_bytes": peak, "step": int(row["step"]), "phase": str(row["phase"]), "rank": int(row["rank"])},
+        )
+    )
+    return out
+
+
+def compute_findings_phases_only(phases: pd.DataFrame) -> list[Finding]:
+    """Findings when a log folder has the phases CSV but no snapshot."""
+    out = phase_findings(phases)
+    out.append(
+        Finding(
+            "no_snapshot",
+            "no snapshot in the folder: the timeline is drawn from the phases table only",
+            Severity.INFO,
+            {},
+        )
+    )
+    return out

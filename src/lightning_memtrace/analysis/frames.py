@@ -1,0 +1,66 @@
+"""THE rule for "is this frame library code?", and the user frame it picks: one rule for the post-mortem, the replay
+and so the report and ``memtrace summary``, so that they all blame the same line for the same allocation.
+
+A frame is library code when its file is unknown (empty, ``<...>``, ``??``), lies in one of :data:`LIBRARY_PACKAGES`
+(torch, Lightning and its helpers, MemTrace itself, accelerate), or in the standard library (``lib/python3.X/`` outside
+``site-packages``/``dist-packages``, or under this interpreter's base prefix outside them). Paths are compared with
+``/`` separators, so Windows paths classify alike.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+
+from lightning_memtrace.types import Frame
+
+#: Packages whose frames are never the line a user would change.
+LIBRARY_PACKAGES: tuple[str, ...] = (
+    "torch",
+    "lightning",
+    "pytorch_lightning",
+    "lightning_fabric",
+    "lightning_memtrace",
+    "lightning_utilities",
+    "accelerate",
+)
+_LIBRARY_PARTS = tuple(f"/{name}/" for name in LIBRARY_PACKAGES)
+_STDLIB_RE = re.compile(r"/lib/python3(\.\d+)?/(?!site-packages/|dist-packages/)")
+_BASE_PREFIX = sys.base_prefix.replace("\\", "/")
+
+
+def normalize_path(filename: str) -> str:
+    """``\\`` → ``/``."""
+    return filename.replace("\\", "/")
+
+
+def is_library_file(filename: str) -> bool:
+    """Whether a frame's file is library code (see the module docstring). Works on any path, from any machine."""
+    if not filename or filename.startswith("<") or filename == "??":
+        return True
+    path = normalize_path(filename)
+    if any(part in path for part in _LIBRARY_PARTS) or _STDLIB_RE.search(path):
+        return True
+    return path.startswith(_BASE_PREFIX) and "site-packages" not in path and "dist-packages" not in path
+
+
+def user_frame(frames: list[Frame] | None) -> Frame | None:
+    """The innermost frame outside the library (see :func:`is_library_file`): the line a user would change; else the
+    innermost Python frame; else the innermost frame."""
+    if not frames:
+        return None
+    for frame in frames:
+        if not is_library_file(str(frame.get("filename", ""))):
+            return frame
+    for frame in frames:
+        filename = str(frame.get("filename", ""))
+        if filename.endswith(".py"):
+            return frame
+    return frames[0]
+
+
+def format_frame(frame: Frame | None) -> str:
+    """``file:line in function`` (``<unknown>`` for None)."""
+    if frame is None:
+        return "<unknown>"
+    return f"{frame.get('filename', '?')}:{frame.get('line', '?')} in {frame.get('name', '?')}"

@@ -1,0 +1,246 @@
+"""What a replay holds: per device, the timeline of events and the table of allocations, and the peak read from them."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from lightning_memtrace.analysis.events import scatter_add
+from lightning_memtrace.types import CATEGORIES
+
+SITE_COLUMNS = ["site", "file", "line", "function", "category", "bytes", "count"]
+
+
+@dataclasses.dataclass
+class Peak:
+    """The highest live-bytes point of one device's replay.
+
+    Attributes:
+        device: The device index.
+        index: Row (event position) at which it happens.
+        time_us: Its time (event position when the trace had no times).
+        live_bytes: Live bytes there (pre-existing included).
+        reserved_bytes: Reserved bytes there (0 when unknown).
+        stage: The stage (phase) there.
+        step: The step there (-1 when unknown).
+        by_category: Live bytes per category there, largest first.
+        sites: The live allocations there grouped by site: ``site, file, line, function, category, bytes, count``,
+            largest first.
+        inferred_bytes: How many of the live bytes have an inferred (not recorded) category.
+    """
+
+    device: int
+    index: int
+    time_us: int
+    live_bytes: int
+    reserved_bytes: int
+    stage: str
+    step: int
+    by_category: dict[str, int]
+    sites: pd.DataFrame
+    inferred_bytes: int = 0
+
+
+@dataclasses.dataclass
+class DeviceReplay:
+    """The replay of one device's trace.
+
+    Attributes:
+        device: Device index.
+        timeline: One row per event: ``index, time_us, action, addr, size, delta, live_bytes, reserved_bytes,
+            category, inferred, phase, step, site``.
+        allocations: One row per allocation (pre-existing ones with ``alloc_index == -1``; ``end_index == n`` when
+            still alive at the end): ``alloc_index, end_index, size, category, inferred, stage_alloc, stage_end, step,
+            site, file, line, function``.
+        seed_bytes: Live bytes before the first event.
+        has_time: Whether the events carried ``time_us``.
+        reserved_known: Whether reserved bytes could be followed (segments or segment events).
+        unknown_frees: Frees of addresses the trace never allocated (taken as pre-existing blocks).
+        oom_rows: Row indices of ``oom`` events.
+    """
+
+    device: int
+    timeline: pd.DataFrame
+    allocations: pd.DataFrame
+    seed_bytes: int
+    has_time: bool
+    reserved_known: bool
+    unknown_frees: int
+    oom_rows: list[int]
+
+    @property
+    def num_events(self) -> int:
+        return len(self.timeline)
+
+    @cached_property
+    def peak(self) -> Peak:
+        """The highest point of ``live_bytes`` (the first one if it is reached several times)."""
+        tl = self.timeline
+        if len(tl) == 0:
+            return self.peak_at(-1)
+        live = tl["live_bytes"].to_numpy()
+        index = int(np.argmax(live))
+        return self.peak_at(index)
+
+    def allocations_reserved_end(self) -> int:
+        return int(self.allocations.attrs.get("reserved_end", 0))
+
+    def peak_at(self, index: int) -> Peak:
+        """The state at row ``index`` as a :class:`Peak` (``-1``: before the first event)."""
+        tl = self.timeline
+        live = self.live_allocations(index)
+        inferred_bytes = int(live["size"][live["inferred"]].sum())
+        if index < 0 or len(tl) == 0:
+            return Peak(
+                self.device,
+                -1,
+                0,
+                int(self.seed_bytes),
+                self.allocations_reserved_end(),
+                "outside",
+                -1,
+                self._breakdown(-1),
+                self._sites(-1),
+                inferred_bytes,
+            )
+        row = tl.iloc[index]
+        return Peak(
+            inferred_bytes=inferred_bytes,
+            device=self.device,
+            index=index,
+            time_us=int(row["time_us"]),
+            live_bytes=int(row["live_bytes"]),
+            reserved_bytes=int(row["reserved_bytes"]),
+            stage=str(row["phase"]),
+            step=int(row["step"]),
+            by_category=self._breakdown(index),
+            sites=self._sites(index),
+        )
+
+    def live_allocations(self, index: int) -> pd.DataFrame:
+        """The allocations alive just after row ``index``."""
+        al = self.allocations
+        mask = (al["alloc_index"].to_numpy() <= index) & (al["end_index"].to_numpy() > index)
+        return al[mask]
+
+    def _breakdown(self, index: int) -> dict[str, int]:
+        live = self.live_allocations(index)
+        sums = live.groupby("category", observed=True)["size"].sum()
+        out = {str(k): int(v) for k, v in sums.items() if int(v) != 0}
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+    def _sites(self, index: int) -> pd.DataFrame:
+        live = self.live_allocations(index)
+        if len(live) == 0:
+            return pd.DataFrame(columns=SITE_COLUMNS)
+        grouped = (
+            live.groupby(["site", "file", "line", "function"], observed=True, sort=False)
+            .agg(bytes=("size", "sum"), count=("size", "size"), category=("category", _mode))
+            .reset_index()
+            .sort_values(["bytes", "count"], ascending=[False, False], kind="stable")
+            .reset_index(drop=True)
+        )
+        grouped["site"] = grouped["site"].astype(str)
+        grouped["category"] = grouped["category"].astype(str)
+        grouped["bytes"] = grouped["bytes"].astype("int64")
+        grouped["count"] = grouped["count"].astype("int64")
+        return grouped[SITE_COLUMNS]
+
+    def category_series(self, rows: np.ndarray | None = None, categories: Sequence[str] | None = None) -> pd.DataFrame:
+        """Live bytes per category after each row in ``rows`` (all rows when None); columns are categories.
+
+        Every row sums exactly to ``live_bytes`` of the same row (when all categories are asked for).
+
+        Args:
+            rows: Rows to report.
+            categories: Only these categories (all present ones when None).
+        """
+        tl = self.timeline
+        n = len(tl)
+        if rows is None:
+            rows = np.arange(n)
+        al = self.allocations
+        out: dict[str, np.ndarray] = {}
+        alloc_idx = al["alloc_index"].to_numpy()
+        end_idx = al["end_index"].to_numpy()
+        sizes = al["size"].to_numpy()
+        codes = al["category"].cat.codes.to_numpy()
+        cats = list(al["category"].cat.categories)
+        for code, name in enumerate(cats):
+            if categories is not None and str(name) not in categories:
+                continue
+            mask = codes == code
+            if not mask.any():
+                continue
+            a = alloc_idx[mask]
+            e = end_idx[mask]
+            s = sizes[mask]
+            seed = int(s[a < 0].sum())
+            delta = scatter_add(n, a[a >= 0], s[a >= 0]) - scatter_add(n, e[e < n], s[e < n])
+            series = seed + np.cumsum(delta)
+            out[str(name)] = series[rows]
+        ordered = {k: out[k] for k in CATEGORIES if k in out}
+        ordered.update({k: v for k, v in out.items() if k not in ordered})
+        return pd.DataFrame(ordered, index=rows)
+
+
+def _mode(values: pd.Series) -> str:
+    counts = values.astype(str).value_counts()
+    return str(counts.index[0]) if len(counts) else ""
+
+
+@dataclasses.dataclass
+class Replay:
+    """The replay of a whole snapshot: one :class:`DeviceReplay` per device that has a trace or live blocks.
+
+    Attributes:
+        devices: Per-device replays, by device index.
+        source: Name of the snapshot.
+        is_memtrace: Whether MemTrace wrote the snapshot (its categories and phases are used).
+        memtrace: MemTrace's header, if any.
+        allocator_settings: The snapshot's ``allocator_settings``.
+        reserved_end_bytes: Sum of segment sizes at dump time, all devices.
+    """
+
+    devices: dict[int, DeviceReplay]
+    source: str
+    is_memtrace: bool
+    memtrace: dict[str, Any] | None
+    allocator_settings: dict[str, Any]
+    reserved_end_bytes: int
+    num_segments: int
+
+    @property
+    def main(self) -> DeviceReplay:
+        """The device with the highest peak."""
+        if not self.devices:
+            raise ValueError("empty replay")
+        return max(self.devices.values(), key=lambda d: (d.peak.live_bytes, -d.device))
+
+    @property
+    def peak(self) -> Peak:
+        return self.main.peak
+
+    @property
+    def timeline(self) -> pd.DataFrame:
+        """All devices' timelines, one after the other, with a ``device`` column."""
+        frames = []
+        for device, rep in sorted(self.devices.items()):
+            frame = rep.timeline.copy()
+            frame.insert(0, "device", device)
+            frames.append(frame)
+        return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+    @property
+    def num_events(self) -> int:
+        return sum(d.num_events for d in self.devices.values())
+
+    @property
+    def inferred(self) -> bool:
+        """Whether any category shown was inferred rather than recorded."""
+        return any(bool(d.allocations["inferred"].any()) for d in self.devices.values())

@@ -1,0 +1,440 @@
+"""Replay a snapshot's trace into a timeline of live memory, with a category and a code site for every byte.
+
+One row per trace event (time, action, address, size, live bytes, category, phase, step, top user frame). The live set
+is seeded from ``segments`` when recording started after allocations existed (blocks active at dump time that the trace
+never mentions, and addresses whose first event is a free), frees of unknown addresses are tolerated, and ``alloc`` is
+counted by its requested size.
+
+Categories come from the snapshot when MemTrace wrote it (per-event ``category``); otherwise they are inferred from the
+stack frames and lifetimes of each allocation (see :func:`infer_category`) and the rows are marked ``inferred``.
+
+The work is vectorised (numpy) except for one pass over the events to read their fields and one analysis per distinct
+frame list, so a million-event trace replays in about a second.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from lightning_memtrace.analysis.categories import CAT_CODE, infer_categories
+from lightning_memtrace.analysis.events import (
+    ACTIONS,
+    A,
+    action_codes,
+    as_int,
+    extract_columns,
+    first_positions,
+    scatter_add,
+)
+from lightning_memtrace.analysis.loader import Snapshot, SnapshotError, normalize
+from lightning_memtrace.analysis.model import DeviceReplay, Replay
+from lightning_memtrace.analysis.stacks import (
+    PRE_EXISTING_SITE,
+    S_FWD,
+    S_OUT,
+    FrameInfo,
+    SiteTable,
+    analyze_frames,
+    analyze_lists,
+)
+from lightning_memtrace.analysis.stages import event_stages, read_tags, smooth_stages
+from lightning_memtrace.schema import header_is_cpu, header_phase_marks
+from lightning_memtrace.types import CATEGORIES, STAGES
+
+
+@dataclasses.dataclass
+class Events:
+    """A device's trace as columns, one entry per event."""
+
+    action: np.ndarray  # codes into ACTIONS
+    addr: np.ndarray
+    size: np.ndarray
+    time: np.ndarray  # time_us, or the event position when the trace has no times
+    has_time: bool
+    stage: np.ndarray  # stage codes (not smoothed)
+    step: np.ndarray
+    site: np.ndarray  # codes into the site table
+    forced: np.ndarray  # category a stack forces, or -1
+    recorded: np.ndarray  # category code MemTrace recorded, or -1
+
+    @property
+    def n(self) -> int:
+        return len(self.action)
+
+
+@dataclasses.dataclass
+class Pairing:
+    """Allocations and frees paired by address.
+
+    Attributes:
+        sorted_addrs: Addresses of the alloc/free events, sorted.
+        alloc_rows: Rows of allocations; ``alloc_end``: the row of their free (``n``: alive at the end).
+        pre_free_rows: Frees that are the first event of their address (the block existed before the trace).
+        unknown_frees: Frees whose previous event at that address is not an allocation.
+    """
+
+    sorted_addrs: np.ndarray
+    alloc_rows: np.ndarray
+    alloc_end: np.ndarray
+    pre_free_rows: np.ndarray
+    unknown_frees: int
+
+
+@dataclasses.dataclass
+class Segments:
+    """What the dump-time segments say about one device: live blocks the trace never mentions, reserved bytes."""
+
+    seed_blocks: list[tuple[int, int, str, list[Any]]]  # (size, addr, category, frames)
+    reserved_end: int
+    known: bool
+
+
+@dataclasses.dataclass
+class Allocations:
+    """One entry per allocation: those of the trace, then pre-existing frees, then seeded blocks."""
+
+    alloc_index: np.ndarray  # -1: before the trace
+    end_index: np.ndarray  # n: alive at the end
+    size: np.ndarray
+    site: np.ndarray
+    stage: np.ndarray
+    stage_end: np.ndarray
+    step: np.ndarray
+    category: np.ndarray
+    inferred: np.ndarray
+
+
+def read_events(
+    trace: list[dict[str, Any]], device: int, snapshot_info: tuple[list, dict | None], table: SiteTable
+) -> Events:
+    """Step 1: the fields, stacks, tags, stages and steps of every event."""
+    annotations, header = snapshot_info
+    n = len(trace)
+    actions, addrs, sizes, times_or_none, frames = extract_columns(trace)
+    codes = action_codes(actions, n)
+    del actions
+    has_time = times_or_none is not None and n > 0
+    times = times_or_none if times_or_none is not None else np.arange(n, dtype=np.int64)
+    frame_stage, site, forced = classify_stacks(frames, n, table)
+    del frames
+    tag_stage, tag_step, recorded = read_tags(trace)
+    stage, step = event_stages(
+        frame_stage, (tag_stage, tag_step), times, has_time, annotations, device, header_phase_marks(header)
+    )
+    return Events(codes, addrs, sizes, times, has_time, stage, step, site, forced, recorded)
+
+
+def classify_stacks(frames: Any, n: int, table: SiteTable) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Step 2: stage, site and forced category per event, each distinct frame list analysed once."""
+    frame_key, unique_ids = pd.factorize(np.fromiter(map(id, frames), dtype=np.int64, count=n))
+    unique_lists: list[Any] = [frames[i] for i in first_positions(frame_key, len(unique_ids)).tolist()]
+    list_stage, list_site, list_forced = analyze_lists(unique_lists, table)
+    if not n:
+        return np.zeros(0, dtype=np.int8), np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int16)
+    return list_stage[frame_key], list_site[frame_key], list_forced[frame_key]
+
+
+def _shifted_equal(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(same address as the next entry, same as the previous) for sorted addresses."""
+    same_next = np.zeros(len(a), dtype=bool)
+    same_prev = np.zeros(len(a), dtype=bool)
+    if len(a) > 1:
+        same_next[:-1] = a[1:] == a[:-1]
+        same_prev[1:] = same_next[:-1]
+    return same_next, same_prev
+
+
+def pair_by_address(action: np.ndarray, addrs: np.ndarray) -> Pairing:
+    """Step 3: each allocation's free (the next event at its address), frees of blocks older than the trace."""
+    n = len(action)
+    is_alloc = action == A["alloc"]
+    free_code = A["free_completed"] if bool((action == A["free_completed"]).any()) else A["free_requested"]
+    is_free = (action == free_code) | (action == A["free"])
+    sel = np.nonzero(is_alloc | is_free)[0]
+    s = sel[np.argsort(addrs[sel], kind="stable")]  # by address, then by position (sel is increasing)
+    a = addrs[s]
+    s_is_alloc = is_alloc[s]
+    same_next, same_prev = _shifted_equal(a)
+    next_pos = np.full(len(s), n, dtype=np.int64)
+    next_pos[:-1] = s[1:]
+    prev_is_alloc = np.zeros(len(s), dtype=bool)
+    prev_is_alloc[1:] = s_is_alloc[:-1] & same_prev[1:]
+    unknown = ~s_is_alloc & ~prev_is_alloc
+    return Pairing(
+        sorted_addrs=a,
+        alloc_rows=s[s_is_alloc],
+        alloc_end=np.where(same_next[s_is_alloc], next_pos[s_is_alloc], n),
+        pre_free_rows=s[unknown & ~same_prev],  # first event of its address is a free
+        unknown_frees=int(unknown.sum()),
+    )
+
+
+def _active_blocks(segment: dict[str, Any]) -> Iterator[tuple[int, int, str, list[Any]]]:
+    blocks = segment.get("blocks")
+    for block in blocks if isinstance(blocks, list) else []:
+        if not isinstance(block, dict) or not str(block.get("state", "")).startswith("active"):
+            continue
+        req = as_int(block.get("requested_size"))
+        size = req if req > 0 else as_int(block.get("size"))
+        yield (size, as_int(block.get("address")), str(block.get("category", "") or ""), block.get("frames") or [])
+
+
+def read_segments(segments: list[dict[str, Any]], device: int, sorted_addrs: np.ndarray) -> Segments:
+    """Step 4: this device's reserved bytes at dump time, and its active blocks the trace never mentions."""
+    candidates: list[tuple[int, int, str, list[Any]]] = []
+    reserved_end = 0
+    known = False
+    for seg in segments:
+        if as_int(seg.get("device", device)) != device:
+            continue
+        known = True
+        reserved_end += as_int(seg.get("total_size"))
+        candidates.extend(_active_blocks(seg))
+    if candidates and len(sorted_addrs):
+        block_addrs = np.array([c[1] for c in candidates], dtype=np.int64)
+        pos = np.minimum(np.searchsorted(sorted_addrs, block_addrs), len(sorted_addrs) - 1)
+        mentioned = sorted_addrs[pos] == block_addrs
+        candidates = [c for c, m in zip(candidates, mentioned.tolist()) if not m]
+    return Segments(candidates, reserved_end, known)
+
+
+def _seed_sites(blocks: list[tuple[int, int, str, list[Any]]], n_pre: int, table: SiteTable) -> tuple[int, np.ndarray]:
+    """Site codes of pre-existing frees (one shared stand-in) and of seeded blocks (their block frames)."""
+    seed = np.empty(len(blocks), dtype=np.int32)
+    for k, (_, _, _, frames) in enumerate(blocks):
+        info = analyze_frames(frames, table) if frames else FrameInfo(S_OUT, PRE_EXISTING_SITE)
+        seed[k] = table.intern(info.site)
+    pre_code = table.codes.get(PRE_EXISTING_SITE)
+    if pre_code is None and n_pre:
+        pre_code = table.intern(PRE_EXISTING_SITE)
+    return (pre_code if pre_code is not None else 0), seed
+
+
+def build_allocations(ev: Events, pairing: Pairing, segs: Segments, table: SiteTable) -> Allocations:
+    """Step 5: the allocation table, with stages at both ends and a category (recorded, else inferred)."""
+    n = ev.n
+    rows, pre, blocks = pairing.alloc_rows, pairing.pre_free_rows, segs.seed_blocks
+    n_old = len(pre) + len(blocks)
+    a_index = np.concatenate([rows, np.full(n_old, -1, dtype=np.int64)])
+    e_index = np.concatenate([pairing.alloc_end, pre, np.full(len(blocks), n, dtype=np.int64)])
+    a_size = np.concatenate([ev.size[rows], ev.size[pre], np.array([b[0] for b in blocks], dtype=np.int64)])
+    pre_code, seed_sites = _seed_sites(blocks, len(pre), table)
+    a_site = np.concatenate([ev.site[rows], np.full(len(pre), pre_code, dtype=np.int32), seed_sites]).astype(np.int32)
+    a_stage = np.concatenate([ev.stage[rows], np.full(n_old, S_OUT, dtype=np.int8)])
+    end_clip = np.minimum(e_index, max(n - 1, 0))
+    a_stage_end = np.where(e_index < n, ev.stage[end_clip] if n else 0, -1).astype(np.int8)
+    a_step = np.concatenate([ev.step[rows], np.full(n_old, -1, dtype=np.int64)])
+    inferred = infer_categories(a_stage, a_stage_end, a_index, e_index, n, np.nonzero(ev.stage == S_FWD)[0])
+    a_forced = np.concatenate([ev.forced[rows], np.full(n_old, -1, dtype=np.int16)])
+    inferred = np.where((a_forced >= 0) & (a_index >= 0), a_forced, inferred).astype(np.int16)
+    recorded = np.concatenate(
+        [ev.recorded[rows], ev.recorded[pre], np.array([CAT_CODE.get(b[2], -1) for b in blocks], dtype=np.int16)]
+    )
+    a_inferred = recorded < 0
+    a_cat = np.where(a_inferred, inferred, recorded).astype(np.int16)
+    return Allocations(a_index, e_index, a_size, a_site, a_stage, a_stage_end, a_step, a_cat, a_inferred)
+
+
+def live_bytes(al: Allocations, n: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Step 6: per event, the change of live bytes and live bytes after it; and the bytes live before the trace."""
+    in_trace = al.alloc_index >= 0
+    ends_in = al.end_index < n
+    delta = scatter_add(n, al.alloc_index[in_trace], al.size[in_trace]) - scatter_add(
+        n, al.end_index[ends_in], al.size[ends_in]
+    )
+    seed_bytes = int(al.size[~in_trace].sum())
+    return delta, seed_bytes + np.cumsum(delta), seed_bytes
+
+
+def reserved_bytes(ev: Events, segs: Segments, header: dict[str, Any] | None) -> tuple[np.ndarray, bool]:
+    """Step 7: reserved bytes per event from segment events, anchored on the dump-time total; and whether known."""
+    seg_delta = np.zeros(ev.n, dtype=np.int64)
+    for name, sign in (("segment_alloc", 1), ("segment_map", 1), ("segment_free", -1), ("segment_unmap", -1)):
+        m = ev.action == A[name]
+        seg_delta[m] = sign * ev.size[m]
+    known = (segs.known or bool(seg_delta.any())) and not header_is_cpu(header)  # the CPU allocator caches nothing
+    if not known:
+        return np.zeros(ev.n, dtype=np.int64), False
+    start = max(segs.reserved_end - int(seg_delta.sum()), 0)
+    return start + np.cumsum(seg_delta), True
+
+
+def event_categories(ev: Events, al: Allocations) -> tuple[np.ndarray, np.ndarray]:
+    """Step 8: each event's category, that of the allocation it touches (else the recorded one), and if inferred."""
+    n = ev.n
+    in_trace = al.alloc_index >= 0
+    ends_in = al.end_index < n
+    cat = np.full(n, -1, dtype=np.int16)
+    inferred = np.zeros(n, dtype=bool)
+    cat[al.alloc_index[in_trace]] = al.category[in_trace]
+    inferred[al.alloc_index[in_trace]] = al.inferred[in_trace]
+    cat[al.end_index[ends_in]] = al.category[ends_in]
+    inferred[al.end_index[ends_in]] = al.inferred[ends_in]
+    untouched = cat < 0
+    cat[untouched] = ev.recorded[untouched]
+    return cat, inferred
+
+
+def _categorical(codes: np.ndarray, names: Any) -> pd.Categorical:
+    return pd.Categorical.from_codes(codes.astype(np.int64), categories=list(names))
+
+
+def timeline_frame(
+    ev: Events, al: Allocations, segs: Segments, header: dict[str, Any] | None, table: SiteTable
+) -> tuple[pd.DataFrame, int, bool]:
+    """Step 9: the timeline table (one row per event); with the seed bytes and whether reserved bytes are known."""
+    n = ev.n
+    delta, live, seed_bytes = live_bytes(al, n)
+    reserved, reserved_known = reserved_bytes(ev, segs, header)
+    cat, inferred = event_categories(ev, al)
+    label_codes: dict[str, int] = {}
+    remap = np.array([label_codes.setdefault(x.label, len(label_codes)) for x in table.sites] or [0], dtype=np.int64)
+    site = pd.Categorical.from_codes(
+        remap[ev.site] if n else np.zeros(0, dtype=np.int64), categories=list(label_codes) or ["<none>"]
+    )
+    timeline = pd.DataFrame(
+        {
+            "index": np.arange(n, dtype=np.int64),
+            "time_us": ev.time,
+            "action": _categorical(ev.action, ACTIONS),
+            "addr": ev.addr,
+            "size": ev.size,
+            "delta": delta,
+            "live_bytes": live,
+            "reserved_bytes": reserved,
+            "category": _categorical(cat, CATEGORIES),
+            "inferred": inferred,
+            "phase": _categorical(smooth_stages(ev.stage), STAGES),
+            "step": ev.step,
+            "site": site,
+        }
+    )
+    return timeline, seed_bytes, reserved_known
+
+
+def allocations_frame(al: Allocations, segs: Segments, table: SiteTable) -> pd.DataFrame:
+    """Step 10: the allocation table as a DataFrame (``attrs["reserved_end"]``: reserved bytes at dump time)."""
+    empty = len(al.site) == 0
+
+    def per_site(values: list[Any], dtype: Any) -> np.ndarray:
+        return np.array([], dtype=dtype) if empty else np.array(values, dtype=dtype)[al.site]
+
+    frame = pd.DataFrame(
+        {
+            "alloc_index": al.alloc_index.astype(np.int64),
+            "end_index": al.end_index.astype(np.int64),
+            "size": al.size.astype(np.int64),
+            "category": _categorical(al.category, CATEGORIES),
+            "inferred": al.inferred,
+            "stage_alloc": _categorical(al.stage, STAGES),
+            "stage_end": _categorical(al.stage_end, STAGES),
+            "step": al.step,
+            "site": per_site([x.label for x in table.sites], object),
+            "file": per_site([x.file for x in table.sites], object),
+            "line": per_site([x.line for x in table.sites], np.int64),
+            "function": per_site([x.function for x in table.sites], object),
+        }
+    )
+    frame.attrs["reserved_end"] = segs.reserved_end
+    return frame
+
+
+def replay_device(
+    device: int,
+    trace: list[dict[str, Any]],
+    segments: list[dict[str, Any]],
+    annotations: list[dict[str, Any]],
+    header: dict[str, Any] | None,
+) -> DeviceReplay:
+    """Replay one device's trace: the steps above, in order."""
+    table = SiteTable()
+    ev = read_events(trace, device, (annotations, header), table)
+    pairing = pair_by_address(ev.action, ev.addr)
+    segs = read_segments(segments, device, pairing.sorted_addrs)
+    al = build_allocations(ev, pairing, segs, table)
+    timeline, seed_bytes, reserved_known = timeline_frame(ev, al, segs, header, table)
+    return DeviceReplay(
+        device=device,
+        timeline=timeline,
+        allocations=allocations_frame(al, segs, table),
+        seed_bytes=seed_bytes,
+        has_time=bool(ev.has_time),
+        reserved_known=reserved_known,
+        unknown_frees=pairing.unknown_frees,
+        oom_rows=np.nonzero(ev.action == A["oom"])[0].tolist(),
+    )
+
+
+def replay(snapshot: Snapshot | dict[str, Any] | list[Any], *, source: str | None = None) -> Replay:
+    """Replay every device of a snapshot.
+
+    Args:
+        snapshot: A :class:`~lightning_memtrace.analysis.loader.Snapshot`, or an already-unpickled snapshot (dict or
+            old list format).
+        source: Name to show for it (defaults to the file name).
+
+    Returns:
+        The :class:`Replay`.
+
+    Raises:
+        SnapshotError: The snapshot's content is malformed in a way the replay cannot read (a one-line message).
+    """
+    if not isinstance(snapshot, Snapshot):
+        data, layout = normalize(snapshot)
+        snapshot = Snapshot(data=data, layout=layout)
+    try:
+        return _replay(snapshot, source)
+    except (SnapshotError, MemoryError, RecursionError):
+        raise
+    except Exception as error:  # untrusted content: one line, never a traceback from deep inside the replay
+        message = " ".join(str(error).split())[:200]
+        raise SnapshotError(
+            f"{source or snapshot.name}: malformed snapshot ({type(error).__name__}: {message})"
+        ) from None
+
+
+def _replay(snapshot: Snapshot, source: str | None) -> Replay:
+    traces = snapshot.device_traces
+    segments = snapshot.segments
+    devices: set[int] = {d for d, t in enumerate(traces) if t}
+    for seg in segments:
+        device = as_int(seg.get("device"))
+        if 0 <= device < 4096:
+            devices.add(device)
+    if not devices:
+        devices = {0}
+    annotations = snapshot.external_annotations
+    memtrace = snapshot.memtrace
+    result: dict[int, DeviceReplay] = {}
+    with _gc_paused():
+        for device in sorted(devices):
+            trace = traces[device] if device < len(traces) else []
+            result[device] = replay_device(device, trace, segments, annotations, memtrace)
+    return Replay(
+        devices=result,
+        source=source or snapshot.name,
+        is_memtrace=memtrace is not None,
+        memtrace=memtrace,
+        allocator_settings=snapshot.allocator_settings,
+        reserved_end_bytes=sum(as_int(s.get("total_size")) for s in segments),
+        num_segments=len(segments),
+    )
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector: building a million small objects otherwise triggers it again and again."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()

@@ -1,0 +1,262 @@
+"""What a stack (an allocation's frame list) says: the stage it ran in, the code site to blame, a category it forces.
+
+The site is the innermost user frame by the one rule of :mod:`lightning_memtrace.analysis.frames`. Snapshots share
+frame dicts between events, so each distinct frame dict is looked at once (:class:`SiteTable`) and many frame lists
+are reduced together with numpy (:func:`analyze_lists`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from lightning_memtrace.analysis.events import first_positions
+from lightning_memtrace.analysis.frames import is_library_file, normalize_path
+from lightning_memtrace.types import CATEGORIES, Category, Stage
+
+#: Stage codes: positions in :class:`~lightning_memtrace.types.Stage`.
+S_OUT, S_INIT, S_FWD, S_BWD, S_ZG, S_OPT, S_AFTER, S_VAL = range(len(Stage))
+_OTHER_CODE = CATEGORIES.index(Category.OTHER.value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """A code location: the innermost user frame of an allocation (or the best stand-in)."""
+
+    file: str
+    line: int
+    function: str
+
+    @property
+    def label(self) -> str:
+        if self.line <= 0 and not self.file:
+            return self.function
+        return f"{self.file}:{self.line}"
+
+
+UNKNOWN_SITE = Site("", 0, "<no frames>")
+PRE_EXISTING_SITE = Site("", 0, "<allocated before recording>")
+
+
+@dataclasses.dataclass(frozen=True)
+class FrameInfo:
+    """What one frame list says: the stage it ran in, the site to blame, and a category it forces (or -1)."""
+
+    stage: int
+    site: Site
+    forced_category: int = -1
+
+
+F_BWD, F_OPT, F_ZG, F_INIT, F_FWD, F_WORKSPACE = 1, 2, 4, 8, 16, 32
+_ALLOCATOR_WORDS = (
+    "unwind",
+    "CapturedTraceback",
+    "gather",
+    "Allocator",
+    "malloc",
+    "empty_",
+    "_empty",
+    "create_out",
+    "allocate",
+    "Storage",
+    "resize",
+)
+
+#: One frame → (flags, user site, library site, autograd node name, C++ caller name)
+FrameFacts = tuple[int, "Site | None", "Site | None", "str | None", "str | None"]
+_NO_FACTS: FrameFacts = (0, None, None, None, None)
+
+
+def _line_number(value: Any) -> int:
+    try:
+        line = int(value or 0)
+    except (TypeError, ValueError):
+        return 0
+    return line if 0 <= line < 2**31 else 0
+
+
+def _python_flags(name: str, filename: str) -> int:
+    """The stage flag a Python frame raises (0: none), first match wins."""
+    in_modules = "/nn/modules/" in filename
+    rules = (
+        (
+            name in ("backward", "_engine_run_backward", "_make_grads", "grad")
+            and "/torch/" in filename
+            and ("autograd" in filename or filename.endswith("_tensor.py")),
+            F_BWD,
+        ),
+        ("/torch/optim/" in filename and "lr_scheduler" not in filename, F_OPT),
+        (name == "zero_grad", F_ZG),
+        (name in ("__init__", "reset_parameters") and in_modules, F_INIT),
+        (name in ("_apply", "load_state_dict", "_load_from_state_dict", "to_empty") and in_modules, F_INIT),
+        (name in ("_call_impl", "_wrapped_call_impl") and "/nn/modules/module.py" in filename, F_FWD),
+        (name == "forward", F_FWD),
+        (name == "step" and "optim" in filename.lower(), F_OPT),
+    )
+    return next((flag for matched, flag in rules if matched), 0)
+
+
+def _native_facts(name: str) -> FrameFacts:
+    """Facts of a C++ frame: backward engine / workspace flags, an autograd node, a caller name."""
+    flags = 0
+    if "autograd::Engine" in name or "PythonEngine" in name:
+        flags |= F_BWD
+    if "Workspace" in name and "cuda" in name:
+        flags |= F_WORKSPACE
+    node = name if ("Backward" in name and "::apply" in name) else None
+    caller = None
+    if name and not any(k in name for k in _ALLOCATOR_WORDS):
+        caller = name.replace("(anonymous namespace)::", "").split("(")[0][:120] or None
+    return (flags, None, None, node, caller)
+
+
+def frame_facts(frame: Any) -> FrameFacts:
+    """What one frame says (see :data:`FrameFacts`); a Python frame is a user or a library site by the one rule."""
+    if not isinstance(frame, dict):
+        return _NO_FACTS
+    name = str(frame.get("name", ""))
+    filename = normalize_path(str(frame.get("filename", "")))
+    if not filename.endswith(".py"):
+        return _native_facts(name)
+    site = Site(filename, _line_number(frame.get("line")), name)
+    if is_library_file(filename):
+        return (_python_flags(name, filename), None, site, None, None)
+    return (_python_flags(name, filename), site, None, None, None)
+
+
+def stage_of_flags(flags: int) -> int:
+    """The stage code the OR of a stack's flags means: backward > optimizer step > zero_grad > init > forward."""
+    for flag, stage in ((F_BWD, S_BWD), (F_OPT, S_OPT), (F_ZG, S_ZG), (F_INIT, S_INIT), (F_FWD, S_FWD)):
+        if flags & flag:
+            return stage
+    return S_OUT
+
+
+def node_site(node: str) -> Site:
+    """The stand-in site of an autograd node (``autograd MmBackward0``)."""
+    short = node.split("(")[0].split("::")
+    return Site("", 0, f"autograd {short[-2] if len(short) > 1 else short[0]}")
+
+
+class SiteTable:
+    """Sites numbered in order of first sight, and the facts of each frame dict seen (by ``id``)."""
+
+    def __init__(self) -> None:
+        self.sites: list[Site] = []
+        self.codes: dict[Site, int] = {}
+        self.facts: dict[int, FrameFacts] = {}
+
+    def intern(self, site: Site) -> int:
+        code = self.codes.get(site)
+        if code is None:
+            code = self.codes[site] = len(self.sites)
+            self.sites.append(site)
+        return code
+
+    def facts_of(self, frame: Any) -> FrameFacts:
+        facts = self.facts.get(id(frame))
+        if facts is None:
+            facts = self.facts[id(frame)] = frame_facts(frame)
+        return facts
+
+
+def analyze_frames(frames: Sequence[dict[str, Any]] | None, table: SiteTable | None = None) -> FrameInfo:
+    """Classify a stack (innermost frame first) and pick its user frame.
+
+    The stage is decided by priority (:func:`stage_of_flags`): autograd engine or ``backward`` → backward;
+    ``torch.optim`` or an optimizer ``step`` → optimizer step; ``zero_grad``; a module's ``__init__``/
+    ``reset_parameters``/``_apply``/``load_state_dict`` → init; a module call or ``forward`` → forward; otherwise
+    outside. The site is the innermost user Python frame, else the innermost library Python frame, else the autograd
+    node or C++ function that allocated.
+
+    Args:
+        frames: The event's ``frames``.
+        table: Shared facts per frame dict; snapshots share frame dicts between events.
+    """
+    if not frames:
+        return FrameInfo(S_OUT, UNKNOWN_SITE)
+    table = table if table is not None else SiteTable()
+    flags = 0
+    found: list[Any] = [None, None, None, None]  # user site, library site, node, caller
+    for frame in frames:
+        facts = table.facts_of(frame)
+        flags |= facts[0]
+        for k in range(4):
+            if found[k] is None:
+                found[k] = facts[k + 1]
+    user, library_py, node, caller = found
+    site = user or library_py
+    if site is None:
+        site = node_site(node) if node is not None else (Site("", 0, caller) if caller is not None else UNKNOWN_SITE)
+    return FrameInfo(stage_of_flags(flags), site, _OTHER_CODE if flags & F_WORKSPACE else -1)
+
+
+def _unique_frame_facts(
+    all_frames: list[Any], frame_codes: np.ndarray, count: int, table: SiteTable
+) -> tuple[np.ndarray, np.ndarray]:
+    """Flags and the four candidate site codes (user, library, node, caller; -1: none) of each distinct frame."""
+    first = first_positions(frame_codes, count)
+    u_flags = np.zeros(count, dtype=np.int64)
+    u_sites = np.full((4, count), -1, dtype=np.int64)
+    for k, pos in enumerate(first.tolist()):
+        flags, user, library, node, caller = table.facts_of(all_frames[pos])
+        u_flags[k] = flags
+        candidates = (
+            user,
+            library,
+            node_site(node) if node is not None else None,
+            Site("", 0, caller) if caller else None,
+        )
+        for kind, candidate in enumerate(candidates):
+            if candidate is not None:
+                u_sites[kind, k] = table.intern(candidate)
+    return u_flags, u_sites
+
+
+def analyze_lists(lists: list[Any], table: SiteTable) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`analyze_frames` for many frame lists at once, vectorised over their frames.
+
+    The per-list reductions (OR of flags, first candidate site) are numpy ``reduceat`` calls.
+
+    Returns:
+        ``(stage, site code, forced category)`` per list.
+    """
+    m = len(lists)
+    clean = [f if isinstance(f, list) else (list(f) if isinstance(f, tuple) else []) for f in lists]
+    lengths = np.fromiter(map(len, clean), dtype=np.int64, count=m)
+    total = int(lengths.sum())
+    stage = np.full(m, S_OUT, dtype=np.int8)
+    site = np.full(m, table.intern(UNKNOWN_SITE), dtype=np.int32)
+    forced = np.full(m, -1, dtype=np.int16)
+    if total == 0:
+        return stage, site, forced
+    all_frames = list(itertools.chain.from_iterable(clean))
+    frame_codes, unique_ids = pd.factorize(np.fromiter(map(id, all_frames), dtype=np.int64, count=total))
+    u_flags, u_sites = _unique_frame_facts(all_frames, frame_codes, len(unique_ids), table)
+    del all_frames
+    nonempty = lengths > 0
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])[nonempty]
+    flags = np.zeros(m, dtype=np.int64)
+    flags[nonempty] = np.bitwise_or.reduceat(u_flags[frame_codes], starts)
+    stage = np.select(
+        [flags & F_BWD > 0, flags & F_OPT > 0, flags & F_ZG > 0, flags & F_INIT > 0, flags & F_FWD > 0],
+        [S_BWD, S_OPT, S_ZG, S_INIT, S_FWD],
+        S_OUT,
+    ).astype(np.int8)
+    forced = np.where(flags & F_WORKSPACE > 0, _OTHER_CODE, -1).astype(np.int16)
+    positions = np.arange(total, dtype=np.int64)
+    big = np.int64(total + 1)
+    chosen = np.full(m, -1, dtype=np.int64)
+    for kind in range(4):
+        per_frame = u_sites[kind][frame_codes]
+        first_pos = np.full(m, big, dtype=np.int64)
+        first_pos[nonempty] = np.minimum.reduceat(np.where(per_frame >= 0, positions, big), starts)
+        take = (chosen < 0) & (first_pos < big)
+        chosen[take] = per_frame[first_pos[take]]
+    site = np.where(chosen >= 0, chosen, site).astype(np.int32)
+    return stage, site, forced

@@ -1,0 +1,53 @@
+"""Argument types and options shared by every ``memtrace`` subcommand, so that they all read sizes and counts alike."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+from lightning_memtrace.units import parse_bytes
+
+
+def _checked(parse: Callable[[str], int], text: str, kind: str, example: str = "") -> int:
+    try:
+        value = parse(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not {kind}: {text!r}{example}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"not a positive {kind.split()[-1]}: {text!r}")
+    return value
+
+
+def bytes_arg(text: str) -> int:
+    """A positive size: ``4GiB``, ``512MiB``, ``80GB`` (1000-based), ``1e9``."""
+    return _checked(parse_bytes, text, "a size", " (e.g. 4GiB, 512MiB, 1e9)")
+
+
+def positive_int(text: str) -> int:
+    """A positive integer."""
+    return _checked(int, text, "an integer")
+
+
+def add_max_bytes(parser: argparse.ArgumentParser) -> None:
+    """``--max-bytes`` / ``--max-size``: the size limit per snapshot file."""
+    parser.add_argument(
+        "--max-bytes",
+        "--max-size",
+        dest="max_bytes",
+        type=bytes_arg,
+        default=None,
+        help="refuse files larger than this (default 8GiB)",
+    )
+
+
+def add_sites(parser: argparse.ArgumentParser) -> None:
+    """``--sites``: how many allocation sites to list."""
+    parser.add_argument("--sites", type=positive_int, default=10, help="allocation sites to list (default 10)")
+
+
+def loader_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The snapshot loader's options from ``--max-bytes``."""
+    from lightning_memtrace.analysis.loader import DEFAULT_MAX_BYTES
+
+    return {"max_bytes": args.max_bytes or DEFAULT_MAX_BYTES}

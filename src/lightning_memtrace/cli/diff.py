@@ -1,0 +1,58 @@
+"""``memtrace diff``: two snapshots or runs at their peaks, B - A."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from lightning_memtrace.cli.args import add_max_bytes, add_sites, loader_kwargs
+from lightning_memtrace.cli.console import console, progress
+from lightning_memtrace.types import category_label
+from lightning_memtrace.units import format_bytes
+
+
+def add_subcommand(subparsers: Any) -> None:
+    parser = subparsers.add_parser("diff", help="compare two snapshots or runs at their peaks (B - A)")
+    parser.add_argument("a", help="first snapshot or log folder (A)")
+    parser.add_argument("b", help="second snapshot or log folder (B)")
+    add_sites(parser)
+    add_max_bytes(parser)
+    parser.set_defaults(func=run)
+
+
+def _signed(value: int) -> str:
+    if value == 0:
+        return "0 B"
+    return f"{'+' if value > 0 else '-'}{abs(value):,} B ({'+' if value > 0 else '-'}{format_bytes(abs(value))})"
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    from lightning_memtrace.analysis.diff import diff_sources
+    from lightning_memtrace.analysis.source import load_source
+
+    with progress() as callback:
+        a = load_source(args.a, progress=callback, **loader_kwargs(args))
+        b = load_source(args.b, progress=callback, **loader_kwargs(args))
+    result = diff_sources(a, b)
+    out = console()
+    out.print(f"A = {result.a_name}\nB = {result.b_name}")
+    for title, frame, key in (
+        ("at the peak", result.summary, "figure"),
+        ("live bytes at the peak, by category", result.by_category, "category"),
+        ("live bytes at the peak, by allocation site", result.by_site.head(args.sites), "site"),
+    ):
+        table = Table(title=title)
+        table.add_column(key)
+        table.add_column("A", justify="right")
+        table.add_column("B", justify="right")
+        table.add_column("B - A", justify="right")
+        for _, row in frame.iterrows():
+            name = category_label(row[key]) if key == "category" else str(row[key])
+            if key == "figure" and name == "events":
+                table.add_row(name, f"{int(row['a']):,}", f"{int(row['b']):,}", f"{int(row['delta']):+,}")
+            else:
+                table.add_row(name, f"{int(row['a']):,} B", f"{int(row['b']):,} B", _signed(int(row["delta"])))
+        out.print(table)
+    return 0

@@ -1,0 +1,194 @@
+"""``memtrace estimate``: will a fine-tuning run fit, by category, before any GPU or weight is involved.
+
+Usage::
+
+    memtrace estimate --config qwen2.5-1.5b.json --batch-size 16 --seq-len 256 --device-memory 80GiB
+    memtrace estimate --config path/to/model_folder --seq-len 2048 --precision bf16-mixed \\
+        --gradient-checkpointing --device-memory 80GiB --find-max-batch
+
+The model is built from its Hugging Face config on the meta device and trained for a few steps on fake tensors
+(:func:`lightning_memtrace.estimator.estimate_from_config`). Exit status: 0 when it fits (or no budget was given),
+1 when it does not fit (or no batch size fits), 2 on an error (one line ``memtrace: error: ...`` on stderr).
+
+Standalone: ``python -m lightning_memtrace.cli.estimate --config ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from lightning_memtrace.cli.args import bytes_arg, positive_int
+from lightning_memtrace.cli.errors import PROG, Parser, error_line, run_guarded
+from lightning_memtrace.units import format_bytes
+
+NOT_FIT_EXIT = 1
+PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "bf16-true", "16-true")
+#: Options passed through to :func:`~lightning_memtrace.estimator.estimate_from_config` as they are.
+_ESTIMATE_OPTIONS = ("optimizer", "precision", "gradient_checkpointing", "accumulate_grad_batches", "device")
+#: Errors whose message alone is the one line (anything else also names its type).
+_PLAIN_ERRORS = (ValueError, OSError, KeyError, TypeError, ModuleNotFoundError, json.JSONDecodeError)
+
+
+def _configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config",
+        required=True,
+        help="a Hugging Face config.json, a folder holding one, or a hub id (where the network allows)",
+    )
+    parser.add_argument(
+        "--batch-size", type=positive_int, default=None, help="micro-batch size (required unless --find-max-batch)"
+    )
+    parser.add_argument("--seq-len", type=positive_int, required=True, help="tokens per sequence")
+    parser.add_argument("--optimizer", choices=("adamw", "adam", "sgd"), default="adamw")
+    parser.add_argument("--precision", choices=PRECISIONS, default="32-true", help="Lightning's precision setting")
+    parser.add_argument("--gradient-checkpointing", action="store_true", help="non-reentrant activation checkpointing")
+    parser.add_argument("--accumulate-grad-batches", type=positive_int, default=1)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="the device to estimate for")
+    parser.add_argument(
+        "--device-memory",
+        type=bytes_arg,
+        default=None,
+        help="memory of the device, e.g. 80GiB (1024-based) or 80GB (1000-based)",
+    )
+    parser.add_argument(
+        "--find-max-batch", action="store_true", help="search the largest micro-batch that fits in --device-memory"
+    )
+    parser.add_argument(
+        "--max-batch-size",
+        type=positive_int,
+        default=4096,
+        help="upper end of the --find-max-batch search (default 4096)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
+
+
+def add_estimate_subcommand(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``estimate`` to a ``memtrace`` subparsers object; its handler is :func:`run_estimate` (``func``)."""
+    parser = subparsers.add_parser(
+        "estimate",
+        help="estimate the memory of a training step from a model config (no GPU, no weights)",
+        description="Estimate per phase and per category the memory of training a Hugging Face causal LM, by running "
+        "real training steps on fake tensors. Exit status 0: fits, 1: does not fit, 2: error.",
+    )
+    _configure(parser)
+    parser.set_defaults(func=run_estimate)
+    return parser
+
+
+#: The name :mod:`lightning_memtrace.cli.parser` looks for in the modules it lists.
+add_subcommand = add_estimate_subcommand
+
+
+def run_estimate(args: argparse.Namespace) -> int:
+    """Run ``memtrace estimate``; returns the exit status (never raises, never prints a traceback)."""
+    return run_guarded(_run, args, error_line, lambda: error_line("interrupted"), _PLAIN_ERRORS)
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.batch_size is None and not args.find_max_batch:
+        raise ValueError("--batch-size is required (or use --find-max-batch with --device-memory)")
+    if args.find_max_batch and args.device_memory is None:
+        raise ValueError("--find-max-batch needs --device-memory")
+
+
+def _compute(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The estimate to show (None when no batch size fits) and the search (None without ``--find-max-batch``)."""
+    import warnings
+
+    from lightning_memtrace.estimator import build_meta_model, estimate_from_config, find_max_batch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            model = build_meta_model(args.config)
+        except (OSError, ValueError) as error:
+            raise ValueError(f"cannot read the model config {args.config!r}: {str(error).splitlines()[0]}") from None
+
+        def run(batch_size: int) -> Any:
+            options = {name: getattr(args, name) for name in _ESTIMATE_OPTIONS}
+            return estimate_from_config(args.config, batch_size, args.seq_len, model=model, **options)
+
+        search = None
+        estimates: dict[int, Any] = {}
+        if args.find_max_batch:
+
+            def peak_for(size: int) -> int:
+                estimates[size] = run(size)
+                return estimates[size].peak_bytes
+
+            search = find_max_batch(peak_for, args.device_memory, low=1, high=args.max_batch_size)
+        shown_size = args.batch_size if args.batch_size is not None else (search.batch_size if search else None)
+        shown = (estimates.get(shown_size) or run(shown_size)) if shown_size else None
+    return shown, search
+
+
+def _print_json(args: argparse.Namespace, shown: Any, search: Any, fits: bool | None) -> None:
+    payload: dict[str, Any] = {"estimate": shown.as_dict() if shown is not None else None}
+    if args.device_memory is not None:
+        payload["device_memory"] = args.device_memory
+        payload["fits"] = fits
+    if search is not None:
+        payload["max_batch_size"] = search.batch_size
+        payload["searched_peaks"] = {str(k): v for k, v in search.peaks.items()}
+    print(json.dumps(payload, indent=2))
+
+
+def _fit_line(budget_bytes: int, shown: Any, fits: bool) -> str:
+    budget = format_bytes(budget_bytes)
+    if fits:
+        spare = format_bytes(budget_bytes - shown.peak_bytes)
+        return f"fits in {budget}: peak {format_bytes(shown.peak_bytes)}, {spare} to spare"
+    over = format_bytes(shown.peak_bytes - budget_bytes)
+    return f"does not fit in {budget}: peak {format_bytes(shown.peak_bytes)}, {over} over"
+
+
+def _search_line(budget_bytes: int, search: Any) -> str:
+    budget = format_bytes(budget_bytes)
+    if search.batch_size == 0:
+        return f"no micro-batch fits in {budget} (batch 1 peaks at {format_bytes(search.peaks.get(1, 0))})"
+    more = " (the search's upper end: larger may fit)" if search.capped else ""
+    nxt = search.peaks.get(search.batch_size + 1)
+    after = f"; {search.batch_size + 1} peaks at {format_bytes(nxt)}" if nxt is not None else ""
+    return (
+        f"largest micro-batch that fits in {budget}: {search.batch_size}{more} "
+        f"(peak {format_bytes(search.peaks[search.batch_size])}{after})"
+    )
+
+
+def _print_text(args: argparse.Namespace, shown: Any, search: Any, fits: bool | None) -> None:
+    if shown is not None:
+        print(shown.table())
+    if fits is not None and shown is not None:
+        print(_fit_line(args.device_memory, shown, fits))
+    if search is not None:
+        print(_search_line(args.device_memory, search))
+    print("estimate of allocated bytes; on CUDA leave room for the context, cuBLAS workspace and fragmentation")
+
+
+def _run(args: argparse.Namespace) -> int:
+    _check(args)
+    shown, search = _compute(args)
+    fits = shown.fits(args.device_memory) if shown is not None and args.device_memory is not None else None
+    (_print_json if args.json else _print_text)(args, shown, search, fits)
+    if (search is not None and search.batch_size == 0) or fits is False:
+        return NOT_FIT_EXIT
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The standalone parser (``python -m lightning_memtrace.cli.estimate``)."""
+    parser = Parser(prog=f"{PROG} estimate", description=(__doc__ or "").splitlines()[0])
+    _configure(parser)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run_estimate(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

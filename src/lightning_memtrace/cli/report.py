@@ -1,0 +1,44 @@
+"""``memtrace report``: the HTML report (and optionally a PNG)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from lightning_memtrace.cli.args import add_max_bytes, loader_kwargs, positive_int
+from lightning_memtrace.cli.console import progress
+from lightning_memtrace.units import format_bytes
+
+
+def add_subcommand(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "report",
+        help="write a self-contained HTML report (and optionally a PNG) from a snapshot or a MemTrace log folder",
+        description="Where the peak is, what it is made of, which lines made it and what to change: one HTML file "
+        "that works offline.",
+    )
+    parser.add_argument("path", help="snapshot (.pickle/.pkl, gzip, memory_viz .html) or MemTrace log folder")
+    parser.add_argument("-o", "--output", default="report.html", help="HTML file to write (default: report.html)")
+    parser.add_argument("--png", default=None, help="also write the timeline as a PNG here")
+    add_max_bytes(parser)
+    parser.add_argument(
+        "--max-points", type=positive_int, default=None, help="points per series in the browser chart (default 4000)"
+    )
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from lightning_memtrace.report import DEFAULT_MAX_POINTS, write_report
+
+    with progress() as callback:
+        out = write_report(
+            args.path,
+            args.output,
+            args.png,
+            max_points=args.max_points or DEFAULT_MAX_POINTS,
+            progress=callback,
+            **loader_kwargs(args),
+        )
+    size = out.stat().st_size
+    print(f"wrote {out} ({format_bytes(size)})" + (f" and {args.png}" if args.png else ""))
+    return 0

@@ -1,0 +1,139 @@
+"""``memtrace summary``: the report's figures and findings as terminal tables (from the same view as the report)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Any
+
+from lightning_memtrace.cli.args import add_max_bytes, add_sites, loader_kwargs
+from lightning_memtrace.cli.console import console, progress
+from lightning_memtrace.units import format_bytes
+
+
+def add_subcommand(subparsers: Any) -> None:
+    parser = subparsers.add_parser("summary", help="print the report's findings as terminal tables")
+    parser.add_argument("path", help="snapshot or MemTrace log folder")
+    add_sites(parser)
+    add_max_bytes(parser)
+    parser.set_defaults(func=run)
+
+
+def _table(title: str | None, columns: list[tuple[str, str]], rows: list[list[str]], **options: Any) -> Any:
+    from rich.table import Table
+
+    table = Table(title=title, **options)
+    for column, justify in columns:
+        table.add_column(column, justify=justify)  # type: ignore[arg-type]
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def info_table(view: Any) -> Any:
+    """Events, segments, the peak and how categories were made."""
+    rows = [
+        ["events", f"{view.events:,}"],
+        ["segments", f"{view.segments:,}"],
+        ["peak allocated", f"{format_bytes(view.total_bytes)} ({view.total_bytes:,} B)"],
+    ]
+    if view.reserved_known:
+        rows.append(["reserved at peak", f"{format_bytes(view.reserved_bytes)} ({view.reserved_bytes:,} B)"])
+    rows.append(["peak at", view.moment or "dump time (no trace)"])
+    if not view.is_memtrace:
+        rows.append(["categories", "inferred from frames" if view.inferred else "recorded"])
+    else:
+        rows.append(["categories", f"recorded by MemTrace ({view.inferred_percent:.0f}% of the peak inferred)"])
+    columns = [("figure", "left"), ("value", "right")]
+    return _table(f"{view.name} (device {view.device})", columns, rows, show_header=False)
+
+
+def categories_table(view: Any) -> Any:
+    rows = [[s.label, format_bytes(s.bytes), f"{s.bytes:,}", f"{s.percent:.1f}%"] for s in view.categories]
+    columns = [("category", "left"), ("bytes", "right"), ("exact", "right"), ("share", "right")]
+    return _table("live at the peak, by category", columns, rows)
+
+
+def sites_table(view: Any) -> Any:
+    rows = [[s.where, s.function, s.label, format_bytes(s.bytes), f"{s.bytes:,}", f"{s.count:,}"] for s in view.sites]
+    columns = [
+        ("file:line", "left"),
+        ("function", "left"),
+        ("category", "left"),
+        ("bytes", "right"),
+        ("exact", "right"),
+        ("count", "right"),
+    ]
+    return _table("largest allocation sites at the peak", columns, rows)
+
+
+def ranks_table(overview: Any) -> Any:
+    from rich.markup import escape
+
+    columns = [("rank", "right"), ("snapshot", "left"), ("peak (snapshot)", "right"), ("exact", "right")]
+    columns += [(f"max {phase} (CSV)", "right") for phase in overview.phase_columns]
+    rows = [
+        [
+            str(r.rank),
+            escape(r.snapshot.path.name) if r.snapshot is not None else "(none)",
+            format_bytes(r.peak_bytes) if r.peak_bytes is not None else "",
+            f"{r.peak_bytes:,} B" if r.peak_bytes is not None else "",
+            *[format_bytes(r.phase_peaks[p]) if p in r.phase_peaks else "" for p in overview.phase_columns],
+        ]
+        for r in overview.ranks
+    ]
+    return _table("per-rank peaks", columns, rows)
+
+
+def phases_table(phases: Any) -> Any:
+    from lightning_memtrace.analysis.phases import phase_peaks_table
+
+    pivot = phase_peaks_table(phases, max_steps=20)
+    columns = [("step", "right")] + [(str(column), "right") for column in pivot.columns]
+    rows = [
+        [str(int(step)), *["" if math.isnan(v) else format_bytes(int(v)) for v in row.tolist()]]
+        for step, row in pivot.iterrows()
+    ]
+    return _table("per-phase peaks (phases CSV)", columns, rows)
+
+
+def findings_table(findings: list[Any]) -> Any:
+    from rich.table import Table
+
+    table = Table(title="findings", show_header=False)
+    table.add_column("", no_wrap=True)
+    table.add_column("finding")
+    for finding in findings:
+        table.add_row("!" if str(finding.severity) == "warning" else "-", finding.message)
+    return table
+
+
+def run(args: argparse.Namespace) -> int:
+    from lightning_memtrace.analysis.findings import compute_findings, compute_findings_phases_only
+    from lightning_memtrace.analysis.ranks import add_rank_finding, rank_overview
+    from lightning_memtrace.analysis.source import load_source
+    from lightning_memtrace.analysis.view import snapshot_view
+
+    with progress() as callback:
+        source = load_source(args.path, progress=callback, **loader_kwargs(args))
+    out = console()
+    main = source.main
+    if main is not None:
+        view = snapshot_view(main, max_sites=args.sites)
+        findings = compute_findings(main.replay, source.phases)
+        for table in (info_table(view), categories_table(view), sites_table(view)):
+            out.print(table)
+    else:
+        assert source.phases is not None
+        findings = compute_findings_phases_only(source.phases)
+    overview = rank_overview(source)
+    if overview is not None:
+        add_rank_finding(findings, overview)
+        out.print(ranks_table(overview))
+        if overview.imbalance is not None:
+            imb = overview.imbalance
+            out.print(f"rank imbalance ({imb.basis}, max - min): {imb.sentence()}", markup=False)
+    if source.phases is not None:
+        out.print(phases_table(source.phases))
+    out.print(findings_table(findings))
+    return 0

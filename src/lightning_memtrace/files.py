@@ -1,0 +1,56 @@
+"""Every file name MemTrace writes or looks for, and :func:`rank_of` to read the rank back from one."""
+
+from __future__ import annotations
+
+import re
+
+#: The folder under a logger's ``log_dir`` that MemTrace writes into.
+MEMTRACE_DIR = "memtrace"
+
+#: The per-phase table of a rank, and the pattern that finds every rank's.
+PHASES_GLOB = "phases_rank*.csv"
+#: Snapshots and post-mortem pickles a report reads from a log folder.
+SNAPSHOT_PATTERNS: tuple[str, ...] = (
+    "snapshot_rank*.pickle",
+    "snapshot_rank*.pickle.gz",
+    "snapshot_rank*.pkl",
+    "oom_rank*.pickle",
+    "oom_rank*.pickle.gz",
+    "oom_rank*.pkl",
+)
+#: The estimate-vs-measured tables a report shows (searched recursively under a log folder).
+ESTIMATE_COMPARISON_GLOB = "**/estimate_vs_measured_rank*.csv"
+#: Prefix of post-mortem files (``oom_rank<R>_step<N>.pickle`` and ``.txt``).
+OOM_PREFIX = "oom_"
+
+_RANK = re.compile(r"rank(\d+)")
+
+
+def phases_filename(rank: int) -> str:
+    """``phases_rank<R>.csv``."""
+    return f"phases_rank{rank}.csv"
+
+
+def window_snapshot_filename(rank: int, first: int, last: int) -> str:
+    """``snapshot_rank<R>_steps<a>-<b>.pickle``: the history window of steps ``a`` to ``b``."""
+    return f"snapshot_rank{rank}_steps{first}-{last}.pickle"
+
+
+def step_snapshot_filename(rank: int, step: int) -> str:
+    """``snapshot_rank<R>_step<N>.pickle``: a snapshot taken on request."""
+    return f"snapshot_rank{rank}_step{step}.pickle"
+
+
+def oom_basename(rank: int, step: int) -> str:
+    """``oom_rank<R>_step<N>``: the post-mortem's pickle and text add ``.pickle`` and ``.txt``."""
+    return f"{OOM_PREFIX}rank{rank}_step{step}"
+
+
+def is_oom_file(name: str) -> bool:
+    return name.startswith(OOM_PREFIX)
+
+
+def rank_of(name: str) -> int | None:
+    """The rank a MemTrace file name carries (``..._rank3...`` → 3), or None."""
+    found = _RANK.search(name)
+    return int(found.group(1)) if found else None

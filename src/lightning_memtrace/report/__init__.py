@@ -1,0 +1,57 @@
+"""The ``memtrace report``: one self-contained HTML file (and optionally a PNG) from a snapshot or a MemTrace log
+folder.
+
+The HTML embeds plotly.js inline and loads nothing from the network. It holds an interactive timeline of live memory
+stacked by category with step and phase bands, the peak marked with its breakdown, reserved vs allocated, the largest
+allocation sites at the peak, per-phase peaks from MemTrace's CSV, and plain-language findings. Every string taken
+from a snapshot is HTML-escaped.
+
+Modules: :mod:`.figure` (downsampling, the chart), :mod:`.png`, :mod:`.html` (tables), :mod:`.style`, :mod:`.page`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from lightning_memtrace.analysis.loader import DEFAULT_MAX_BYTES
+from lightning_memtrace.analysis.source import load_source
+from lightning_memtrace.atomic import atomic_write_text
+from lightning_memtrace.report.figure import DEFAULT_MAX_POINTS
+from lightning_memtrace.report.page import render_html
+
+__all__ = ["DEFAULT_MAX_POINTS", "render_html", "write_report"]
+
+
+def write_report(
+    source_path_or_dir: str | os.PathLike[str],
+    html_path: str | os.PathLike[str],
+    png_path: str | os.PathLike[str] | None = None,
+    *,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    max_points: int = DEFAULT_MAX_POINTS,
+    progress: Callable[[int, int], None] | None = None,
+) -> Path:
+    """Write the HTML report (and optionally a PNG timeline) for a snapshot or a MemTrace log folder.
+
+    Nothing is written when the source cannot be read.
+
+    Args:
+        source_path_or_dir: A snapshot file (pickle, gzip pickle, memory_viz HTML), or a log folder (``<log_dir>`` or
+            ``<log_dir>/memtrace``).
+        html_path: Where to write the HTML (parent folders are created).
+        png_path: Where to write the PNG, or None.
+        max_bytes: Size limit per snapshot file.
+        max_points: Points per series in the browser chart.
+        progress: Progress callback while reading large files.
+
+    Returns:
+        ``html_path`` as a Path.
+
+    Raises:
+        SnapshotError: The source is not readable.
+    """
+    source = load_source(source_path_or_dir, max_bytes=max_bytes, progress=progress)
+    page = render_html(source, max_points=max_points, png_path=png_path)
+    return atomic_write_text(html_path, page)

@@ -1,0 +1,249 @@
+"""The report page: sections built from a :class:`~lightning_memtrace.analysis.source.ReportSource` and its view."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import pandas as pd
+
+from lightning_memtrace.analysis.categories import INFERENCE_RULES
+from lightning_memtrace.analysis.findings import Finding, compute_findings, compute_findings_phases_only
+from lightning_memtrace.analysis.ranks import RankOverview, add_rank_finding, rank_overview
+from lightning_memtrace.analysis.source import LoadedSnapshot, ReportSource
+from lightning_memtrace.analysis.view import MemoryView, snapshot_view
+from lightning_memtrace.files import ESTIMATE_COMPARISON_GLOB
+from lightning_memtrace.report.figure import DEFAULT_MAX_POINTS, build_figure, phases_figure, timeline_data
+from lightning_memtrace.report.html import (
+    breakdown_table,
+    chart_html,
+    phases_html,
+    ranks_html,
+    sites_table,
+    summary_json,
+    table,
+)
+from lightning_memtrace.report.png import write_png
+from lightning_memtrace.report.style import CSS, esc
+from lightning_memtrace.units import format_bytes, format_bytes_exact
+
+
+@dataclasses.dataclass
+class _Page:
+    """What the sections add up to: HTML sections, the JSON summary, findings, and whether plotly.js is embedded."""
+
+    sections: list[str]
+    summary: dict[str, Any]
+    findings: list[Finding]
+    include_js: Any = True
+    config: dict[str, Any] = dataclasses.field(default_factory=lambda: {"displaylogo": False, "responsive": True})
+
+    def chart(self, fig: Any, div_id: str) -> str:
+        html = chart_html(fig, self.include_js, self.config, div_id)
+        self.include_js = False
+        return html
+
+
+def _inferred_note(view: MemoryView) -> str:
+    if not view.is_memtrace and view.inferred:
+        return (
+            '<p class="meta">Categories are inferred from stack frames and lifetimes (the snapshot was not '
+            f"written by MemTrace): {INFERENCE_RULES}.</p>"
+        )
+    if view.inferred:
+        return (
+            '<p class="meta">Categories recorded by MemTrace; allocations it left uncategorised '
+            f"({esc(format_bytes(view.inferred_bytes))} at the peak) are inferred: {INFERENCE_RULES}.</p>"
+        )
+    return '<p class="meta">Categories recorded by MemTrace.</p>'
+
+
+def _peak_section(view: MemoryView) -> str:
+    where = view.moment or "at dump time (no trace)"
+    reserved = (
+        f"<p>Reserved by the allocator at the peak: {esc(format_bytes_exact(view.reserved_bytes))}"
+        f" ({esc(format_bytes(max(view.reserved_bytes - view.total_bytes, 0)))} more than allocated).</p>"
+        if view.reserved_known and view.reserved_bytes
+        else ""
+    )
+    return (
+        f"<h2>Peak: {esc(format_bytes_exact(view.total_bytes))} ({esc(where)})</h2>"
+        + breakdown_table(view)
+        + reserved
+        + _inferred_note(view)
+    )
+
+
+def _snapshot_sections(page: _Page, main: LoadedSnapshot, source: ReportSource, max_points: int, png_path: Any) -> None:
+    """Timeline, peak and sites of the main snapshot."""
+    rep = main.replay
+    dev = rep.main
+    view = snapshot_view(main)
+    data = timeline_data(dev, max_points)
+    title = f"{main.path.name} — device {dev.device}: live memory by category"
+    fig = build_figure(dev, data, title)
+    page.findings = compute_findings(rep, source.phases)
+    page.summary.update(
+        {
+            "snapshot": main.path.name,
+            "device": dev.device,
+            "events": dev.num_events,
+            "peak_bytes": view.total_bytes,
+            "peak_index": int(dev.peak.index),
+            "peak_reserved_bytes": view.reserved_bytes,
+            "peak_stage": view.stage,
+            "peak_step": view.step,
+            "peak_by_category": view.by_category,
+            "points": len(data.rows),
+            "inferred_categories": bool(view.inferred),
+        }
+    )
+    if png_path is not None:
+        write_png(dev, data, png_path, title)
+    page.sections.append(
+        f'<h2>Timeline</h2>{page.chart(fig, "timeline")}<p class="meta">{len(data.rows):,} of {dev.num_events:,} '
+        "events drawn; every local maximum is drawn at its exact value. Shaded bands: phases (forward, backward, "
+        "optimizer step...); dotted lines: steps.</p>"
+    )
+    page.sections.append(_peak_section(view))
+    page.sections.append("<h2>Largest allocation sites at the peak</h2>" + sites_table(view))
+
+
+def _phases_only_sections(page: _Page, phases: pd.DataFrame) -> None:
+    page.findings = compute_findings_phases_only(phases)
+    page.sections.append(f"<h2>Memory per phase</h2>{page.chart(phases_figure(phases), 'timeline')}")
+    page.summary["peak_bytes"] = int(phases["peak_bytes"].max())
+
+
+def _rank_chart(r: Any, phases: pd.DataFrame | None, max_points: int) -> tuple[Any, str] | None:
+    """One rank's figure and note: from its highest-peak snapshot, else its rows of the phases CSV."""
+    if r.snapshot is not None:
+        dev = r.snapshot.replay.main
+        data = timeline_data(dev, max_points)
+        title = f"rank {r.rank}: {r.snapshot.path.name} — device {dev.device}: live memory by category"
+        note = f"{len(data.rows):,} of {dev.num_events:,} events drawn; peak {format_bytes_exact(dev.peak.live_bytes)}."
+        return build_figure(dev, data, title), note
+    if phases is None or not len(phases):
+        return None
+    mine = phases[phases["rank"] == r.rank]
+    if not len(mine):
+        return None
+    fig = phases_figure(mine, f"rank {r.rank}: memory per phase row (MemTrace phases CSV, no snapshot)")
+    return fig, f"{len(mine):,} rows of the phases CSV (no snapshot for this rank)."
+
+
+def _rank_charts_html(page: _Page, overview: RankOverview, phases: pd.DataFrame | None, max_points: int) -> str:
+    """One timeline per rank, rank 0 first (div ids ``timeline-rank<R>``)."""
+    parts = ['<h2 id="rank-timelines">Timeline per rank</h2>']
+    for r in overview.ranks:
+        made = _rank_chart(r, phases, max_points)
+        if made is None:
+            continue
+        fig, note = made
+        chart = page.chart(fig, f"timeline-rank{int(r.rank)}")
+        parts.append(f'<h3>Rank {int(r.rank)}</h3>{chart}<p class="meta">{esc(note)}</p>')
+    return "".join(parts)
+
+
+def _rank_summary(overview: RankOverview) -> dict[str, Any]:
+    summary: dict[str, Any] = {
+        "ranks": [
+            {
+                "rank": int(r.rank),
+                "snapshot": r.snapshot.path.name if r.snapshot is not None else None,
+                "peak_bytes": r.peak_bytes,
+                "phases_peak_bytes": r.phases_peak,
+                "phase_peaks": dict(r.phase_peaks),
+            }
+            for r in overview.ranks
+        ]
+    }
+    imb = overview.imbalance
+    if imb is not None:
+        summary["rank_imbalance"] = {
+            "basis": imb.basis,
+            "high_rank": imb.high_rank,
+            "low_rank": imb.low_rank,
+            "high_bytes": imb.high_bytes,
+            "low_bytes": imb.low_bytes,
+            "imbalance_bytes": imb.imbalance_bytes,
+            "percent": imb.percent,
+        }
+    return summary
+
+
+def _rank_sections(page: _Page, source: ReportSource, max_points: int) -> None:
+    overview = rank_overview(source)
+    if overview is None:
+        return
+    # after the main chart in page order: the per-rank charts rely on the plotly.js it embeds
+    page.sections.insert(0, ranks_html(overview))
+    page.sections.append(_rank_charts_html(page, overview, source.phases, max_points))
+    add_rank_finding(page.findings, overview)
+    page.summary.update(_rank_summary(overview))
+
+
+def _other_sections(source: ReportSource) -> list[str]:
+    """Per-phase peaks, every snapshot, estimate-vs-measured tables and post-mortem texts."""
+    sections = []
+    if source.phases is not None:
+        sections.append("<h2>Per-phase peaks (MemTrace phases CSV)</h2>" + phases_html(source.phases))
+    if len(source.snapshots) > 1:
+        rows = [
+            {
+                "file": s.path.name,
+                "rank": "" if s.rank is None else s.rank,
+                "kind": s.kind,
+                "events": f"{s.replay.num_events:,}",
+                "peak": format_bytes_exact(s.replay.peak.live_bytes),
+            }
+            for s in source.snapshots
+        ]
+        sections.append("<h2>All snapshots</h2>" + table(pd.DataFrame(rows), {"events", "peak"}))
+    for estimate_csv in sorted(source.path.glob(ESTIMATE_COMPARISON_GLOB)) if source.path.is_dir() else []:
+        try:
+            comparison = pd.read_csv(estimate_csv)
+        except Exception:  # a comparison that cannot be read is left out, the report stands without it
+            continue
+        numeric = {c for c in comparison.columns if c.endswith(("_bytes", "_percent"))}
+        sections.append(f"<h2>Estimate vs measured ({esc(estimate_csv.name)})</h2>" + table(comparison, numeric))
+    for s in source.snapshots:
+        if s.oom_text:
+            sections.append(f"<h2>Out of memory: {esc(s.path.name)}</h2><pre>{esc(s.oom_text)}</pre>")
+    return sections
+
+
+def _header(source: ReportSource, findings: list[Finding]) -> str:
+    main = source.main
+    items = "".join(f'<li class="{esc(f.severity)}">{esc(f.message)}</li>' for f in findings) or "<li>No finding.</li>"
+    return (
+        f"<h1>Memory report: {esc(source.path.name)}</h1>"
+        f'<div class="meta">{esc(str(source.path))} · {len(source.snapshots)} snapshot(s)'
+        + (f" · {main.replay.num_segments:,} segments · {main.replay.num_events:,} events" if main else "")
+        + "</div>"
+        f'<h2>Findings</h2><ul class="findings">{items}</ul>'
+    )
+
+
+def render_html(
+    source: ReportSource, *, max_points: int = DEFAULT_MAX_POINTS, png_path: str | os.PathLike[str] | None = None
+) -> str:
+    """The report page for a source (see :func:`~lightning_memtrace.report.write_report`)."""
+    page = _Page(sections=[], summary={"source": str(source.path)}, findings=[])
+    main = source.main
+    if main is not None:
+        _snapshot_sections(page, main, source, max_points, png_path)
+    elif source.phases is not None:
+        _phases_only_sections(page, source.phases)
+    _rank_sections(page, source, max_points)
+    page.sections += _other_sections(source)
+    page.summary["findings"] = [{"code": f.code, "message": f.message} for f in page.findings]
+    return (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        f"<title>memtrace report: {esc(source.path.name)}</title><style>{CSS}</style></head><body>"
+        + _header(source, page.findings)
+        + "".join(page.sections)
+        + f'<script type="application/json" id="memtrace-summary">{summary_json(page.summary)}</script>'
+        + "</body></html>\n"
+    )

@@ -1,0 +1,102 @@
+"""What MemTrace adds to a PyTorch memory snapshot, written and read here only.
+
+* The **header**: the snapshot's ``"memtrace"`` key, a dict (:func:`build_header`, :func:`read_header`).
+* The **tag** of each allocation (``user_metadata``): ``"phase=<stage> step=<N>"`` (:func:`format_tag`,
+  :func:`parse_tag`).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from lightning_memtrace.types import Stage
+
+#: The snapshot key that holds the header.
+HEADER_KEY = "memtrace"
+#: Version of the header's layout.
+SNAPSHOT_FORMAT = 1
+PRODUCER = "lightning_memtrace"
+#: The per-allocation field that holds the tag.
+TAG_FIELD = "user_metadata"
+#: The per-allocation (and per-block) field that holds MemTrace's category.
+CATEGORY_FIELD = "category"
+
+_TAG_RE = re.compile(r"(\w+)=([^\s,;]+)")
+
+
+def build_header(
+    *,
+    device: str,
+    rank: int,
+    steps: tuple[int, int],
+    allocated_bytes: int,
+    allocated_at_start_bytes: int | None,
+    categories: dict[str, int],
+    phases: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """The header of a snapshot covering ``steps`` (first, last); ``phases``: ``{"step", "phase", "time_us"}`` marks."""
+    return {
+        "format": SNAPSHOT_FORMAT,
+        "producer": PRODUCER,
+        "device": device,
+        "rank": rank,
+        "steps": [steps[0], steps[1]],
+        "allocated_bytes": allocated_bytes,
+        "allocated_at_start_bytes": allocated_at_start_bytes,
+        "categories": categories,
+        "phases": phases,
+    }
+
+
+def read_header(data: dict[str, Any]) -> dict[str, Any] | None:
+    """The header of an unpickled snapshot, or None (not written by MemTrace)."""
+    value = data.get(HEADER_KEY)
+    return value if isinstance(value, dict) else None
+
+
+def header_device(header: dict[str, Any] | None, default: str = "") -> str:
+    """The device the snapshot was taken on (``"cuda:0"``, ``"cpu"``)."""
+    return str((header or {}).get("device", default))
+
+
+def header_is_cpu(header: dict[str, Any] | None) -> bool:
+    return header_device(header).startswith("cpu")
+
+
+def header_steps(header: dict[str, Any] | None) -> tuple[Any, Any] | None:
+    """The (first, last) steps of the snapshot's window, or None."""
+    steps = (header or {}).get("steps")
+    return (steps[0], steps[1]) if isinstance(steps, list) and len(steps) == 2 else None
+
+
+def header_phase_marks(header: dict[str, Any] | None) -> list[Any] | None:
+    """The ``{"step", "phase", "time_us"}`` marks of the header, or None."""
+    phases = (header or {}).get("phases")
+    return phases if isinstance(phases, list) else None
+
+
+def format_tag(stage: Stage | str, step: int) -> str:
+    """``"phase=forward step=3"``."""
+    return f"phase={Stage(stage).value} step={step}"
+
+
+def parse_tag(text: str) -> tuple[Stage | None, int | None]:
+    """``"phase=forward step=3"`` → ``(Stage.FORWARD, 3)``; what is missing or unknown is None.
+
+    ``stage=`` is read as ``phase=``, and ``train``/``training`` as forward.
+    """
+    stage: Stage | None = None
+    step: int | None = None
+    for key, value in _TAG_RE.findall(text or ""):
+        if key in ("phase", "stage"):
+            try:
+                stage = Stage(value)
+            except ValueError:
+                stage = Stage.FORWARD if value in ("train", "training") else None
+        elif key == "step":
+            try:
+                step = int(value)
+            except ValueError:
+                continue  # not a number: keep the step read before, if any
+    return stage, step

@@ -1,0 +1,134 @@
+"""Each findings rule on its own, on small hand-made snapshots."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from lightning_memtrace.analysis.findings import (
+    compute_findings,
+    compute_findings_phases_only,
+    devices_finding,
+    fragmentation_finding,
+    oom_findings,
+    peak_finding,
+    phase_findings,
+    pre_existing_finding,
+    stale_gradients_finding,
+    top_site_findings,
+    unknown_frees_finding,
+)
+from lightning_memtrace.analysis.replay import replay
+from lightning_memtrace.types import PHASE_COLUMNS
+
+USER = "/home/me/train.py"
+
+
+def _ev(action: str, addr: int, size: int, t: int, line: int = 5, **extra: object) -> dict:
+    frames = [{"filename": USER, "line": line, "name": "main"}]
+    return {"action": action, "addr": addr, "size": size, "time_us": t, "frames": frames, **extra}
+
+
+def _snap(trace: list[dict], segments: list[dict] | None = None, **extra: object) -> dict:
+    return {"segments": segments or [], "device_traces": [trace], **extra}
+
+
+def _tagged(action: str, addr: int, size: int, t: int, phase: str, step: int, category: str, line: int = 5) -> dict:
+    return _ev(action, addr, size, t, line, user_metadata=f"phase={phase} step={step}", category=category)
+
+
+def test_peak_and_empty() -> None:
+    rep = replay(_snap([_ev("alloc", 16, 1000, 1)]))
+    (finding,) = peak_finding(rep)
+    assert finding.code == "peak" and finding.numbers["peak_bytes"] == 1000
+    assert finding.numbers["top_category"] == "other" and "categories inferred" in finding.message
+    (empty,) = peak_finding(replay(_snap([])))
+    assert empty.code == "empty" and empty.numbers == {"peak_bytes": 0}
+
+
+def test_stale_gradients() -> None:
+    header = {"device": "cuda:0", "steps": [1, 2]}
+    trace = [
+        _tagged("alloc", 16, 4000, 1, "backward", 1, "gradients"),
+        _tagged("alloc", 32, 1000, 2, "forward", 2, "activations"),
+        _tagged("free_completed", 32, 1000, 3, "forward", 2, "activations"),
+    ]
+    (finding,) = stale_gradients_finding(replay(_snap(trace, memtrace=header)))
+    assert finding.code == "stale_gradients" and finding.numbers["gradients_bytes"] == 4000
+    assert finding.numbers["step"] == 2
+    assert stale_gradients_finding(replay(_snap([_ev("alloc", 16, 10, 1)]))) == []
+
+
+def test_fragmentation_and_reserved() -> None:
+    trace = [_ev("alloc", 16, 1000, 1)]
+    wide = replay(_snap(trace, [{"device": 0, "total_size": 2000, "blocks": []}]))
+    (finding,) = fragmentation_finding(wide)
+    assert finding.code == "fragmentation" and finding.numbers["extra_bytes"] == 1000
+    slight = replay(_snap(trace, [{"device": 0, "total_size": 1100, "blocks": []}]))
+    assert [f.code for f in fragmentation_finding(slight)] == ["reserved"]
+    tight = replay(_snap(trace, [{"device": 0, "total_size": 1010, "blocks": []}]))
+    assert fragmentation_finding(tight) == []
+    cpu = replay(_snap(trace, [{"device": 0, "total_size": 2000, "blocks": []}], memtrace={"device": "cpu"}))
+    assert fragmentation_finding(cpu) == []
+
+
+def test_top_sites() -> None:
+    rep = replay(_snap([_ev("alloc", 16, 1000, 1, line=7), _ev("alloc", 32, 10, 2, line=8)]))
+    (finding,) = top_site_findings(rep)
+    assert finding.numbers == {"site": f"{USER}:7", "bytes": 1000, "count": 1}
+    assert len(top_site_findings(rep, max_sites=2)) == 2
+
+
+def test_pre_existing_and_unknown_frees() -> None:
+    segments = [
+        {"device": 0, "total_size": 4096, "blocks": [{"state": "active_allocated", "address": 99, "size": 500}]}
+    ]
+    trace = [_ev("alloc", 16, 100, 1), _ev("free_completed", 64, 30, 2)]
+    rep = replay(_snap(trace, segments))
+    (pre,) = pre_existing_finding(rep)
+    assert pre.code == "pre_existing" and pre.numbers["seed_bytes"] == 530
+    assert "before recording began" in pre.message
+    (unknown,) = unknown_frees_finding(rep)
+    assert unknown.numbers == {"unknown_frees": 1}
+    window = replay(_snap(trace, segments, memtrace={"device": "cuda:0", "steps": [3, 4]}))
+    assert "window (steps 3-4) began" in pre_existing_finding(window)[0].message
+
+
+def test_oom_and_devices() -> None:
+    trace = [_ev("alloc", 16, 100, 1), {"action": "oom", "addr": 0, "size": 9999, "time_us": 2, "frames": []}]
+    (oom,) = oom_findings(replay(_snap(trace)))
+    assert oom.numbers == {"requested_bytes": 9999, "live_bytes": 100, "row": 1}
+    two = replay({"segments": [], "device_traces": [[_ev("alloc", 16, 100, 1)], [_ev("alloc", 16, 300, 1)]]})
+    (devices,) = devices_finding(two)
+    assert devices.numbers == {"devices": [0, 1]} and "the report shows device 1" in devices.message
+
+
+def _phases() -> pd.DataFrame:
+    row = {c: 0 for c in PHASE_COLUMNS}
+    rows = [
+        {
+            **row,
+            "step": 1,
+            "phase": "after_forward",
+            "peak_bytes": 500,
+            "allocated_bytes": 400,
+            "activations_bytes": 300,
+        },
+        {
+            **row,
+            "step": 2,
+            "phase": "after_backward",
+            "peak_bytes": 900,
+            "allocated_bytes": 700,
+            "gradients_bytes": 600,
+        },
+    ]
+    return pd.DataFrame(rows)
+
+
+def test_phase_findings_and_compute_findings_order() -> None:
+    (finding,) = phase_findings(_phases())
+    assert finding.numbers == {"peak_bytes": 900, "step": 2, "phase": "after_backward", "rank": 0}
+    assert [f.code for f in compute_findings_phases_only(_phases())] == ["phase_peak", "no_snapshot"]
+    rep = replay(_snap([_ev("alloc", 16, 100, 1), _ev("free_completed", 64, 30, 2)]))
+    codes = [f.code for f in compute_findings(rep, _phases())]
+    assert codes == ["peak", "top_site", "pre_existing", "unknown_frees", "phase_peak"]

@@ -1,0 +1,101 @@
+"""THE frame rule: one answer to "is this library code?" for the post-mortem, the replay, the report and summary."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from lightning_memtrace.analysis.frames import LIBRARY_PACKAGES, format_frame, is_library_file, user_frame
+from lightning_memtrace.analysis.postmortem import LiveBlock, PostMortem, render_post_mortem
+from lightning_memtrace.analysis.stacks import analyze_frames
+
+USER = "/home/me/project/train.py"
+LIBRARY = [
+    "/venv/lib/python3.11/site-packages/torch/nn/modules/module.py",
+    "/venv/lib/python3.11/site-packages/lightning/pytorch/loops/fit_loop.py",
+    "/venv/lib/python3.11/site-packages/pytorch_lightning/trainer.py",
+    "/venv/lib/python3.11/site-packages/lightning_fabric/fabric.py",
+    "/venv/lib/python3.11/site-packages/lightning_utilities/core/rank_zero.py",
+    "/venv/lib/python3.11/site-packages/lightning_memtrace/recorder.py",
+    "/venv/lib/python3.11/site-packages/accelerate/accelerator.py",
+    "C:\\venv\\Lib\\site-packages\\accelerate\\accelerator.py",
+    "C:\\venv\\Lib\\site-packages\\torch\\functional.py",
+    "/usr/lib/python3.11/contextlib.py",
+    "/usr/lib/python3/threading.py",
+    "<frozen runpy>",
+    "<string>",
+    "",
+    "??",
+]
+USER_FILES = [
+    USER,
+    "C:\\Users\\me\\train.py",
+    "/venv/lib/python3.11/site-packages/transformers/models/llama/modeling_llama.py",
+    "/venv/lib/python3.11/dist-packages/mypackage/model.py",
+    "/srv/torchvision_tools/train.py",  # "torch" only as part of a name
+]
+
+
+@pytest.mark.parametrize("filename", LIBRARY)
+def test_library_files(filename: str) -> None:
+    assert is_library_file(filename)
+
+
+@pytest.mark.parametrize("filename", USER_FILES)
+def test_user_files(filename: str) -> None:
+    assert not is_library_file(filename)
+
+
+def test_standard_library_of_this_interpreter_is_library() -> None:
+    assert is_library_file(sys.base_prefix + "/lib/something.py") or is_library_file(
+        sys.base_prefix.replace("\\", "/") + "/lib/something.py"
+    )
+
+
+def test_every_listed_package_is_library() -> None:
+    assert "accelerate" in LIBRARY_PACKAGES
+    for name in LIBRARY_PACKAGES:
+        assert is_library_file(f"/site-packages/{name}/x.py"), name
+
+
+def _frames(*files: str) -> list[dict]:
+    return [{"filename": f, "line": 10 + k, "name": f"fn{k}"} for k, f in enumerate(files)]
+
+
+def test_user_frame_skips_library_and_falls_back() -> None:
+    frames = _frames(LIBRARY[0], LIBRARY[6], USER)
+    assert user_frame(frames) is frames[2]
+    only_library = _frames("??", LIBRARY[0])
+    assert user_frame(only_library) is only_library[1]  # the innermost Python frame
+    native = [{"filename": "??", "line": 0, "name": "c10::alloc"}]
+    assert user_frame(native) is native[0]
+    assert user_frame([]) is None
+    assert format_frame(frames[2]) == f"{USER}:12 in fn2"
+    assert format_frame(None) == "<unknown>"
+
+
+def test_post_mortem_and_replay_blame_the_same_line() -> None:
+    """accelerate (and every library package) is library code in both: the two name the same user line."""
+    frames = _frames(LIBRARY[0], LIBRARY[6], USER, "/home/me/project/main.py")
+    info = analyze_frames(frames)
+    assert (info.site.file, info.site.line) == (USER, 12)
+    pm = PostMortem(
+        rank=0,
+        device="cpu",
+        step=1,
+        epoch=0,
+        batch_idx=1,
+        stage="forward",
+        exception_type="OutOfMemoryError",
+        message="out of memory",
+        requested_bytes=1024,
+        allocated_bytes=4096,
+        reserved_bytes=4096,
+        categories={"activations": 4096},
+        largest=[LiveBlock(4096, frames, "phase=forward step=1", "activations")],
+        failing_frames=frames,
+    )
+    text = render_post_mortem(pm)
+    assert f"failed at:     {USER}:12 in fn2" in text
+    assert f"{USER}:12 in fn2" in text.split("largest live allocations:")[1]

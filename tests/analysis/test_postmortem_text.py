@@ -1,0 +1,69 @@
+"""The post-mortem ``.txt`` compared with tests/expected/ (``--update-expected`` rewrites it), and its view."""
+
+from __future__ import annotations
+
+from lightning_memtrace.analysis.postmortem import LiveBlock, PostMortem, render_post_mortem
+from lightning_memtrace.analysis.view import post_mortem_view
+
+TORCH = "/venv/lib/python3.11/site-packages/torch/nn/functional.py"
+USER = "/home/me/project/train.py"
+
+
+def _frames(line: int) -> list[dict]:
+    return [
+        {"filename": TORCH, "line": 2000, "name": "linear"},
+        {"filename": "/venv/lib/python3.11/site-packages/accelerate/utils/operations.py", "line": 80, "name": "wrap"},
+        {"filename": USER, "line": line, "name": "training_step"},
+    ]
+
+
+def _post_mortem(device: str) -> PostMortem:
+    mib = 1024**2
+    return PostMortem(
+        rank=0,
+        device=device,
+        step=12,
+        epoch=1,
+        batch_idx=4,
+        stage="forward",
+        exception_type="OutOfMemoryError",
+        message="CUDA out of memory. Tried to allocate 2.00 GiB",
+        requested_bytes=2048 * mib,
+        allocated_bytes=300 * mib,
+        reserved_bytes=512 * mib,
+        categories={"parameters": 100 * mib, "gradients": 50 * mib, "activations": 120 * mib, "other": 30 * mib},
+        largest=[
+            LiveBlock(120 * mib, _frames(41), "phase=forward step=12", "activations"),
+            LiveBlock(100 * mib, [], "", "parameters"),
+            LiveBlock(30 * mib, [], "phase=backward step=11", "other"),
+        ],
+        failing_frames=_frames(44),
+        device_free_bytes=20 * mib,
+    )
+
+
+def test_post_mortem_cuda(expected) -> None:
+    expected(render_post_mortem(_post_mortem("cuda:0")), "postmortem_cuda.txt")
+
+
+def test_post_mortem_cpu(expected) -> None:
+    expected(render_post_mortem(_post_mortem("cpu")), "postmortem_cpu.txt")
+
+
+def test_post_mortem_view() -> None:
+    view = post_mortem_view(_post_mortem("cpu"))
+    assert [s.category for s in view.categories] == [
+        "parameters",
+        "gradients",
+        "optimizer_state",
+        "inputs",
+        "activations",
+        "other",
+    ]
+    assert view.total_bytes == 300 * 1024**2 and view.by_category["activations"] == 120 * 1024**2
+    assert [s.where for s in view.sites] == [
+        f"{USER}:41 in training_step",
+        "<made before MemTrace started>",
+        "<no stack: made outside the history window>",
+    ]
+    assert round(view.sites[0].percent) == 40 and view.moment == "forward, step 12"
