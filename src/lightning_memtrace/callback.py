@@ -182,20 +182,10 @@ class MemTrace(Callback):
         estimate: bool = False,
         allocation_backend: AllocationBackend = "auto",
     ) -> None:
-        #: The recorder's settings, shared with :class:`~lightning_memtrace.MemoryRecorder`.
-        self.config = RecorderConfig(
-            track_allocations=track_allocations,
-            history=history,
-            history_skip_steps=history_skip_steps,
-            history_steps=history_steps,
-            max_entries=max_entries,
-            frames_min_bytes=frames_min_bytes,
-            post_mortem=post_mortem,
-            max_rows=max_rows,
-            every_n_steps=every_n_steps,
-            max_snapshots=max_snapshots,
-            allocation_backend=allocation_backend,
-        )
+        arguments = locals()
+        #: The recorder's settings (the keywords above that are its fields), shared with
+        #: :class:`~lightning_memtrace.MemoryRecorder`.
+        self.config = RecorderConfig(**{name: arguments[name] for name in RecorderConfig.field_names() if name in arguments})
         if self.config.uses_reports:
             # Blocks made from now on (the model, the optimizer's state) are known to the allocator's reports.
             track_every_cpu_block()

@@ -64,6 +64,10 @@ class RecorderConfig:
         set_value(self, "every_n_steps", max(1, int(self.every_n_steps)))
         set_value(self, "max_snapshots", max(1, int(self.max_snapshots)))
 
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(field.name for field in dataclasses.fields(cls))
+
     def replace(self, **changes: object) -> RecorderConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from lightning_memtrace.schema import HEADER_KEY
 from lightning_memtrace.types import Category
 
 
+@dataclasses.dataclass(eq=False)
 class OomCapture:
     """Keeps what an out-of-memory error found (from the tracker's or CUDA's OOM listener, or from the exception)
     and writes ``oom_rank<R>_step<N>.pickle`` (the snapshot, with the post-mortem in its header) and ``.txt``.
@@ -40,27 +42,16 @@ class OomCapture:
         where: ``(step, epoch, batch_idx, stage)`` of the recorder now.
     """
 
-    def __init__(
-        self,
-        device: torch.device,
-        rank: int,
-        tracker: AllocationTracker | None,
-        files: RecorderFiles,
-        window: HistoryWindow,
-        classify: Callable[[], Classified],
-        sync: Callable[[], None],
-        where: Callable[[], tuple[int, int, int, str]],
-    ) -> None:
-        self.device = device
-        self.rank = rank
-        self.tracker = tracker
-        self.files = files
-        self.window = window
-        self._classify = classify
-        self._sync = sync
-        self._where = where
-        self._state: dict[str, Any] | None = None
-        self.last: PostMortem | None = None
+    device: torch.device
+    rank: int
+    tracker: AllocationTracker | None
+    files: RecorderFiles
+    window: HistoryWindow
+    classify: Callable[[], Classified]
+    sync: Callable[[], None]
+    where: Callable[[], tuple[int, int, int, str]]
+    _state: dict[str, Any] | None = dataclasses.field(default=None, init=False)
+    last: PostMortem | None = dataclasses.field(default=None, init=False)
 
     def _live_blocks(self, limit: int = 10) -> list[LiveBlock]:
         if self.tracker is None:
@@ -70,8 +61,8 @@ class OomCapture:
 
     def capture(self, requested: int | None, frames: list, device_free: int | None = None) -> None:
         """Keep the state now (called where the allocation failed, before the stack unwinds)."""
-        self._sync()
-        totals = {c.value: v for c, v in CategoryCounter.totals(self._classify()).items()}
+        self.sync()
+        totals = {c.value: v for c, v in CategoryCounter.totals(self.classify()).items()}
         if self.tracker is not None:
             allocated = reserved = self.tracker.counters()[0]
             largest = self._live_blocks()
@@ -81,7 +72,7 @@ class OomCapture:
             snapshot = self.window.snapshot_now() if self.device.type == "cuda" else None
             largest = largest_blocks_from_snapshot(snapshot) if snapshot else []
         totals[Category.OTHER.value] = max(0, allocated - sum(totals.values()))
-        step, _, _, stage = self._where()
+        step, _, _, stage = self.where()
         self._state = {
             "requested": requested,
             "frames": frames,
@@ -110,7 +101,7 @@ class OomCapture:
         if self._state is None:
             self.capture(requested_bytes_from_message(str(exception)), [])
         state, self._state = self._state or {}, None
-        step, epoch, batch_idx, stage = self._where()
+        step, epoch, batch_idx, stage = self.where()
         message = str(exception).strip().splitlines()
         requested = state.get("requested")
         if requested is None:

@@ -6,6 +6,7 @@ measuring go on.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from lightning_memtrace.files import phases_filename
 from lightning_memtrace.types import PhaseRecord
 
 
+@dataclasses.dataclass(eq=False)
 class RecorderFiles:
     """Writes into ``output_dir`` (None: writes nothing).
 
@@ -27,24 +29,18 @@ class RecorderFiles:
         warn: Called once per kind of problem with ``(kind, message)``.
     """
 
-    def __init__(
-        self,
-        output_dir: Path | None,
-        rank: int,
-        max_rows: int | None,
-        max_snapshots: int,
-        warn: Callable[[str, str], None],
-    ) -> None:
-        self.output_dir = output_dir
-        self.rank = rank
-        self.max_rows = max_rows
-        self.max_snapshots = max_snapshots
-        self.files: list[Path] = []
-        self.snapshots: list[Path] = []
-        self.rows_written = 0
-        self.ok = output_dir is not None
-        self._warn = warn
-        self._csv: PhaseCsvWriter | None = None
+    output_dir: Path | None
+    rank: int
+    max_rows: int | None
+    max_snapshots: int
+    warn: Callable[[str, str], None]
+    files: list[Path] = dataclasses.field(default_factory=list, init=False)
+    snapshots: list[Path] = dataclasses.field(default_factory=list, init=False)
+    rows_written: int = dataclasses.field(default=0, init=False)
+    _csv: PhaseCsvWriter | None = dataclasses.field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self.ok = self.output_dir is not None
 
     @property
     def csv_path(self) -> Path | None:
@@ -59,31 +55,27 @@ class RecorderFiles:
             written = self._csv.write_many(records)
             self.rows_written += written
             if written < len(records) and self._csv.full:
-                self._warn("rows", f"the CSV reached max_rows={self.max_rows}; further rows are not written")
+                self.warn("rows", f"the CSV reached max_rows={self.max_rows}; further rows are not written")
         except OSError as error:
             self._failed("the phases CSV", error)
 
     def write_snapshot(self, name: str, snapshot: dict[str, Any], rotate: bool = True) -> Path | None:
         """Write a snapshot pickle atomically; a rotated one counts towards ``max_snapshots``."""
-        if not self.ok or self.output_dir is None:
-            return None
-        try:
-            path = atomic_write_pickle(self.output_dir / name, snapshot)
-        except OSError as error:
-            self._failed(name, error)
-            return None
-        self.files.append(path)
-        if rotate:
+        path = self._write(name, atomic_write_pickle, snapshot)
+        if path is not None and rotate:
             self.snapshots.append(path)
             while len(self.snapshots) > self.max_snapshots:
                 self._remove(self.snapshots.pop(0))
         return path
 
     def write_text(self, name: str, text: str) -> Path | None:
+        return self._write(name, atomic_write_text, text)
+
+    def _write(self, name: str, write: Callable[[Path, Any], Path], content: Any) -> Path | None:
         if not self.ok or self.output_dir is None:
             return None
         try:
-            path = atomic_write_text(self.output_dir / name, text)
+            path = write(self.output_dir / name, content)
         except OSError as error:
             self._failed(name, error)
             return None
@@ -108,7 +100,7 @@ class RecorderFiles:
             self.close()
         except OSError:
             pass  # the file is being given up on after a failed write: closing it can fail the same way
-        self._warn(
+        self.warn(
             "output",
             f"could not write {what} in {self.output_dir} ({type(error).__name__}: {error}); MemTrace stops writing "
             "files for this run, training goes on.",

@@ -7,6 +7,7 @@ reaches the row's mark (:class:`~lightning_memtrace.capture.tracker.RowMark`).
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections import deque
 from typing import Any, NamedTuple
@@ -79,6 +80,7 @@ def row_parts(tracker: AllocationTracker | None, classified: Classified) -> tupl
     return totals, labels, foreign
 
 
+@dataclasses.dataclass(eq=False)
 class RowReader:
     """Names and reads the rows of one recorder.
 
@@ -87,24 +89,18 @@ class RowReader:
     them) and only the batch's inputs per row; activations are 0 there.
     """
 
-    def __init__(
-        self,
-        device: torch.device,
-        categories: CategoryCounter,
-        saved: SavedTensorsRecorder,
-        tracker: AllocationTracker | None,
-        counters: MemoryCounters | None,
-    ) -> None:
-        self.device = device
-        self.categories = categories
-        self.saved = saved
-        self.tracker = tracker
-        self.counters = counters
-        self.training = False
-        #: Rows named and waiting for the report stream to reach their marks, oldest first.
-        self.deferred: deque[RowMark] = deque()
-        self._inputs: dict[int, weakref.ref] = {}
-        self._model_states: tuple[Classified, dict[Category, int], Labels, Foreign] | None = None
+    device: torch.device
+    categories: CategoryCounter
+    saved: SavedTensorsRecorder
+    tracker: AllocationTracker | None
+    counters: MemoryCounters | None
+    training: bool = dataclasses.field(default=False, init=False)
+    #: Rows named and waiting for the report stream to reach their marks, oldest first.
+    deferred: deque[RowMark] = dataclasses.field(default_factory=deque, init=False)
+    _inputs: dict[int, weakref.ref] = dataclasses.field(default_factory=dict, init=False)
+    _model_states: tuple[Classified, dict[Category, int], Labels, Foreign] | None = dataclasses.field(
+        default=None, init=False
+    )
 
     def begin_batch(self, batch: Any, training: bool) -> None:
         """A batch starts: its tensors are the inputs; a training batch (or a new validation run) names anew."""

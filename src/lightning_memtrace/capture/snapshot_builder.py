@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from lightning_memtrace.capture.allocation_state import ALLOC, FREE, LiveAllocation, OutOfMemoryEvent
+from lightning_memtrace.schema import CATEGORY_FIELD, TAG_FIELD
 
 #: The category of an allocation that is none of parameters, gradients, optimizer state, inputs or activations.
 UNKNOWN_CATEGORY = "unknown"
@@ -37,8 +38,8 @@ def build_snapshot(
                 "size": 0,
                 "stream": 0,
                 "time_us": time.time_ns() // 1000,
-                "user_metadata": metadata,
-                "category": UNKNOWN_CATEGORY,
+                TAG_FIELD: metadata,
+                CATEGORY_FIELD: UNKNOWN_CATEGORY,
                 "frames": [],
             }
         )
@@ -54,8 +55,8 @@ def _segment(entry: LiveAllocation, device_index: int) -> dict[str, Any]:
         "requested_size": entry.nbytes,
         "state": "active_allocated",
         "frames": entry.frames or [],
-        "category": entry.category or UNKNOWN_CATEGORY,
-        "user_metadata": entry.metadata,
+        CATEGORY_FIELD: entry.category or UNKNOWN_CATEGORY,
+        TAG_FIELD: entry.metadata,
     }
     return {
         "device": device_index,
@@ -98,8 +99,8 @@ def _trace_entry(action: str, entry: LiveAllocation, time_us: int, frames: list,
         "size": entry.nbytes,
         "stream": 0,
         "time_us": time_us,
-        "user_metadata": metadata,
-        "category": entry.category or UNKNOWN_CATEGORY,
+        TAG_FIELD: metadata,
+        CATEGORY_FIELD: entry.category or UNKNOWN_CATEGORY,
         "frames": frames,
     }
 
@@ -112,6 +113,6 @@ def _oom_entry(oom: OutOfMemoryEvent) -> dict[str, Any]:
         "stream": 0,
         "time_us": oom.time_us,
         "device_free": 0,
-        "user_metadata": oom.metadata,
+        TAG_FIELD: oom.metadata,
         "frames": oom.frames,
     }

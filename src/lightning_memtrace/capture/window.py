@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable
@@ -28,6 +29,7 @@ def cuda_reserved(device: torch.device) -> int:
     return torch.cuda.memory_reserved(device) if device.type == "cuda" and torch.cuda.is_available() else 0
 
 
+@dataclasses.dataclass(eq=False)
 class HistoryWindow:
     """Opens the window ``history_skip_steps`` steps into the run, for ``history_steps`` steps, once per recorder.
 
@@ -46,31 +48,22 @@ class HistoryWindow:
         warn: Called once per kind of problem with ``(kind, message)``.
     """
 
-    def __init__(
-        self,
-        config: RecorderConfig,
-        device: torch.device,
-        rank: int,
-        tracker: AllocationTracker | None,
-        files: RecorderFiles,
-        classify: Callable[[], Classified],
-        sync: Callable[[], None],
-        warn: Callable[[str, str], None],
-    ) -> None:
-        self.config = config
-        self.device = device
-        self.rank = rank
-        self.tracker = tracker
-        self.files = files
-        self._classify = classify
-        self._sync = sync
-        self._warn = warn
+    config: RecorderConfig
+    device: torch.device
+    rank: int
+    tracker: AllocationTracker | None
+    files: RecorderFiles
+    classify: Callable[[], Classified]
+    sync: Callable[[], None]
+    warn: Callable[[str, str], None]
+    _first_step: int | None = dataclasses.field(default=None, init=False)
+    _open: tuple[int, int, int] | None = dataclasses.field(default=None, init=False)  # (first, last step, time_us)
+    _start_allocated: int = dataclasses.field(default=0, init=False)
+    _done: bool = dataclasses.field(default=False, init=False)
+
+    def __post_init__(self) -> None:
         #: ``(step, phase, time_us)`` of every row, for the snapshot header's phase bands.
-        self.phase_marks: deque[tuple[int, str, int]] = deque(maxlen=max(1000, config.max_entries // 10))
-        self._first_step: int | None = None
-        self._open: tuple[int, int, int] | None = None  # (first step, last step, start time_us)
-        self._start_allocated = 0
-        self._done = False
+        self.phase_marks: deque[tuple[int, str, int]] = deque(maxlen=max(1000, self.config.max_entries // 10))
 
     @property
     def is_open(self) -> bool:
@@ -95,7 +88,7 @@ class HistoryWindow:
                 return
         except Exception as error:
             self._done = True
-            self._warn("history", f"could not start recording memory history: {error!r}")
+            self.warn("history", f"could not start recording memory history: {error!r}")
             return
         self._open = (step, first + config.history_steps - 1, now_us)
 
@@ -103,7 +96,7 @@ class HistoryWindow:
         if self.device.type == "cuda" and self.tracker is None:
             if not cuda_history.cuda_history_supported():
                 self._done = True
-                self._warn("history", "this torch cannot record the CUDA allocator's history: no snapshot")
+                self.warn("history", "this torch cannot record the CUDA allocator's history: no snapshot")
                 return False
             cuda_history.start_cuda_history(self.config.max_entries)
         elif self.tracker is not None:
@@ -143,8 +136,8 @@ class HistoryWindow:
 
     def header(self, first: int, last: int, since_us: int) -> dict[str, Any]:
         """MemTrace's part of a snapshot (``snapshot["memtrace"]``)."""
-        self._sync()
-        classified = self._classify()
+        self.sync()
+        classified = self.classify()
         tracker = self.tracker
         return build_header(
             device=str(self.device),
