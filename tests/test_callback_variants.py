@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-from lightning_memtrace import MemTrace, MemTraceWarning, load_phases
+from lightning_memtrace import MemoryRecorder, MemTrace, MemTraceWarning, load_phases
 from lightning_memtrace.capture.storages import unique_storage_bytes
 from lm_helpers import MLP, TwoOptimizers, trainer
 
@@ -163,15 +163,43 @@ def test_resume_continues_steps_and_appends(tmp_path):
     first.save_checkpoint(ckpt)
     saved = torch.load(ckpt, weights_only=False)["callbacks"]
     state = next(v for k, v in saved.items() if k.startswith("MemTrace"))
-    assert state["rows"] == 10 and state["last_step"] == 1
+    assert state["rows"] == 10 and state["last_step"] == 1 and state["run"] == callback.run_id
 
     resumed = MemTrace(dirpath=tmp_path / "mt")
     trainer(tmp_path, [resumed], max_steps=4).fit(MLP(), ckpt_path=str(ckpt))
     phases = load_phases(tmp_path / "mt")
     assert list(phases.groupby("step").size()) == [5, 5, 5, 5]
     assert list(phases.step.unique()) == [0, 1, 2, 3]
+    assert list(phases.run.unique()) == [callback.run_id]  # the resumed rows belong to the run they resume
     with open(tmp_path / "mt" / "phases_rank0.csv") as handle:
         assert sum(1 for line in handle if line.startswith("step,")) == 1
     # each fit records its own window: steps 1-2 of the first (cut at 1), 3 of the second
     names = sorted(p.name for p in (tmp_path / "mt").glob("snapshot_*.pickle"))
     assert names == ["snapshot_rank0_steps1-1.pickle", "snapshot_rank0_steps3-3.pickle"]
+
+
+def test_two_runs_into_one_folder_are_told_apart(tmp_path):
+    runs = []
+    for _ in range(2):
+        callback = MemTrace(dirpath=tmp_path / "mt", report=False)
+        trainer(tmp_path, [callback], max_steps=2, enable_checkpointing=False, logger=False).fit(MLP())
+        runs.append(callback.run_id)
+    assert runs[0] != runs[1]
+    phases = load_phases(tmp_path / "mt")
+    # the second run's rows are appended with the same steps, and the run column tells them apart
+    assert phases.groupby("run").size().to_dict() == {runs[0]: 10, runs[1]: 10}
+    assert (phases[phases.run == runs[1]].step.tolist()) == [0] * 5 + [1] * 5
+    with open(tmp_path / "mt" / "phases_rank0.csv") as handle:
+        assert handle.readline().rstrip("\n").split(",")[-1] == "run"
+
+
+def test_plain_loop_recorders_get_their_own_run(tmp_path):
+    model = torch.nn.Linear(4, 4)
+    ids = []
+    for _ in range(2):
+        with MemoryRecorder(model, [], output_dir=tmp_path, history=False) as recorder:
+            recorder.begin_batch(torch.randn(2, 4), step=0)
+            recorder.end_batch()
+            ids.append(recorder.run_id)
+    assert ids[0] != ids[1]
+    assert load_phases(tmp_path).groupby("run").size().to_dict() == {ids[0]: 2, ids[1]: 2}

@@ -21,7 +21,7 @@ from typing_extensions import override
 
 from lightning_memtrace.capture.config import AllocationBackend, RecorderConfig
 from lightning_memtrace.capture.oom_errors import is_out_of_memory
-from lightning_memtrace.capture.recorder import MemoryRecorder
+from lightning_memtrace.capture.recorder import MemoryRecorder, new_run_id
 from lightning_memtrace.capture.reports_backend import track_every_cpu_block
 from lightning_memtrace.files import MEMTRACE_DIR
 from lightning_memtrace.trainer import extras, ranks
@@ -84,6 +84,8 @@ class MemTrace(Callback):
       inputs)
     - ``inputs_bytes``: storages of the batch's tensors on the device
     - ``other_bytes``: allocated minus the categories above, never negative
+    - ``run``: the fit's id (UTC start time and a random suffix, the same on every rank, kept on resume): fits
+      written into one folder are told apart by it
 
     **Logged metrics** reach every logger of the Trainer the way those of Lightning's built-in callbacks do: through
     the Trainer's logger connector (each logger gets ``log_metrics(metrics=..., step=...)``, then ``save()``), at the
@@ -200,6 +202,8 @@ class MemTrace(Callback):
         self.estimate_comparison: Any = None
 
         self.recorder: MemoryRecorder | None = None
+        #: The ``run`` column of this fit's rows (set at setup; restored from a checkpoint on resume).
+        self.run_id: str | None = None
         self._max_allocated_bytes = 0
         self._max_reserved_bytes = 0
         self.output_dir: Path | None = None
@@ -272,6 +276,8 @@ class MemTrace(Callback):
         self.last_rank_maxima = {}
         self.estimated = self.estimate_comparison = None
         self._rank = trainer.global_rank
+        # One id for every rank of this fit (setup is reached by all of them); a resume restores the earlier one.
+        self.run_id = str(trainer.strategy.broadcast(new_run_id()))
         if self.dirpath is not None:
             self.output_dir = self.dirpath
         else:
@@ -296,6 +302,7 @@ class MemTrace(Callback):
             rank=self._rank,
             output_dir=self.output_dir,
             on_record=self._on_record,
+            run_id=self.run_id,
         )
         self.recorder.start()
         if self.recorder.tracker is not None:
@@ -479,9 +486,11 @@ class MemTrace(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"version": 1, "rows": self._rows_total, "last_step": self._last_step}
+        return {"version": 1, "rows": self._rows_total, "last_step": self._last_step, "run": self.run_id}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._rows_total = int(state_dict.get("rows", 0) or 0)
         self._last_step = state_dict.get("last_step")
+        if state_dict.get("run"):
+            self.run_id = str(state_dict["run"])  # a resumed run appends its rows to its own run

@@ -186,6 +186,9 @@ class PhaseRecord:
     activations_bytes: int
     inputs_bytes: int
     other_bytes: int
+    #: Which run the row belongs to (runs writing into one folder, or one CSV, are told apart by it); a resumed
+    #: run keeps its id.
+    run: str = ""
 
     @classmethod
     def columns(cls) -> list[str]:

@@ -46,6 +46,8 @@ def load_phases(path_or_log_dir: str | os.PathLike) -> pd.DataFrame:
     frames = []
     for file in files:
         frame = pd.read_csv(file, on_bad_lines="skip")
+        if "run" not in frame.columns:  # a CSV from before run ids: its folder tells its run apart
+            frame["run"] = str(file.parent)
         missing = [c for c in PHASE_COLUMNS if c not in frame.columns]
         if missing:
             raise ValueError(f"{file} is not a MemTrace phases CSV: missing columns {missing}")
@@ -56,6 +58,7 @@ def load_phases(path_or_log_dir: str | os.PathLike) -> pd.DataFrame:
         frame = frame.dropna(subset=[*INT_COLUMNS, "time_s"])
         frame = frame.astype({c: "int64" for c in INT_COLUMNS})
         frame["phase"] = frame["phase"].astype(str)
+        frame["run"] = frame["run"].fillna("").astype(str)
         frames.append(frame)
     return pd.concat(frames, ignore_index=True)
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import secrets
 import sys
 import time
 import warnings
@@ -75,6 +76,11 @@ class RecorderParts:
     saved: SavedTensorsRecorder | None = None
 
 
+def new_run_id() -> str:
+    """A run id: when the run started (UTC) and a random suffix, e.g. ``20261203T122745-3fa1c2``."""
+    return time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + "-" + secrets.token_hex(3)
+
+
 def _device_of(model: nn.Module | None) -> torch.device:
     if model is not None:
         for tensor in model.parameters():
@@ -101,6 +107,8 @@ class MemoryRecorder:
         output_dir: Folder for ``phases_rank<R>.csv``, snapshots and post-mortems; None writes no files.
         on_record: Called with each :class:`PhaseRecord` taken (the callback logs them).
         parts: Parts to use instead of the recorder's own (see :class:`RecorderParts`).
+        run_id: The ``run`` column of every row; a new id (time and random suffix) by default. Pass the same id to
+            every rank of a run, and the earlier id to a resumed run.
         **settings: Fields of :class:`RecorderConfig`: ``track_allocations``, ``history``, ``history_skip_steps``,
             ``history_steps``, ``max_entries``, ``frames_min_bytes``, ``post_mortem``, ``max_rows``, ``every_n_steps``,
             ``max_snapshots``, ``allocation_backend``, ``window_stacks``.
@@ -117,6 +125,7 @@ class MemoryRecorder:
         output_dir: str | os.PathLike | None = None,
         on_record: Callable[[PhaseRecord], None] | None = None,
         parts: RecorderParts | None = None,
+        run_id: str | None = None,
         **settings: Any,
     ) -> None:
         config = (config or RecorderConfig()).replace(**settings) if settings else (config or RecorderConfig())
@@ -126,6 +135,7 @@ class MemoryRecorder:
         self.rank = rank
         self.output_dir = Path(output_dir) if output_dir is not None else None
         self.on_record = on_record
+        self.run_id = run_id or new_run_id()
         self._warned: set[str] = set()
         self.tracker, self.counters, self.config = self._measuring_parts(config, parts)
         self.categories = parts.categories or CategoryCounter(self.device, model, optimizers)
@@ -350,7 +360,7 @@ class MemoryRecorder:
         self._deliver(self.rows.ready())
 
     def _place(self, phase: Phase, time_s: float) -> RowPlace:
-        return RowPlace(phase, self.step, self.epoch, self.batch_idx, self.rank, time_s)
+        return RowPlace(phase, self.step, self.epoch, self.batch_idx, self.rank, time_s, self.run_id)
 
     def _where(self) -> tuple[int, int, int, str]:
         return self.step, self.epoch, self.batch_idx, self.stage.value

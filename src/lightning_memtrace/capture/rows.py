@@ -34,6 +34,7 @@ class RowPlace(NamedTuple):
     batch_idx: int
     rank: int
     time_s: float
+    run: str
 
 
 def make_record(
@@ -56,6 +57,7 @@ def make_record(
         activations_bytes=totals[Category.ACTIVATIONS],
         inputs_bytes=totals[Category.INPUTS],
         other_bytes=max(0, allocated - sum(totals.values())),
+        run=place.run,
     )
 
 
