@@ -250,7 +250,7 @@ def test_trainer_pickles_after_fit_as_without_memtrace(tmp_path):
     # MemTrace kept plain data only, and the copy still knows what was written
     assert callback.recorder is None
     copy = pickle.loads(pickle.dumps(callback))
-    assert copy.state_dict() == callback.state_dict() == {"version": 1, "rows": 3 * 5 + 2, "last_step": 3}
+    assert copy.state_dict() == callback.state_dict() == {"version": 1, "rows": 3 * 5 + 2, "last_step": 3, "run": callback.run_id}
     assert copy.files == callback.files and copy.report_path == callback.report_path is not None
     # the checkpoint was saved, with MemTrace's state in it, which loads back
     (ckpt,) = (tmp_path / "mt" / "ckpt").glob("*.ckpt")
@@ -333,6 +333,6 @@ def test_a_second_fit_starts_clean(tmp_path):
     with open(tmp_path / "mt" / "phases_rank0.csv") as handle:
         assert sum(1 for line in handle if line.startswith("step,")) == 1
     assert [kw["step"] for kw in logger.memtrace_calls()] == logger.steps_with("loss") == [0, 1, 2, 3]
-    assert callback.state_dict() == {"version": 1, "rows": 20, "last_step": 3}
+    assert callback.state_dict() == {"version": 1, "rows": 20, "last_step": 3, "run": callback.run_id}
     spy.recorders.clear()  # the spy's own references: MemTrace keeps none
     assert _pickle_error(run) is None
