@@ -461,3 +461,20 @@ def test_replay_never_crashes_on_odd_snapshots(segments: list[Any], traces: list
         tl = dev.timeline
         assert (tl["live_bytes"].to_numpy() == dev.seed_bytes + np.cumsum(tl["delta"].to_numpy())).all()
         assert sum(dev.peak.by_category.values()) == dev.peak.live_bytes
+
+
+def test_site_bytes_never_exceed_their_category_total() -> None:
+    """kkaitlyn111 fullstep: the einsum site was labelled activations with 51.5 MiB beside an activations total of
+    19.5 MiB; sites are split by category so that every table adds up (issue 13, point 5)."""
+    from shared_files import fixture_path
+
+    from lightning_memtrace.analysis.loader import load_snapshot
+
+    rep = replay(load_snapshot(fixture_path("kkaitlyn111_memory_files_memory_ctx128_fullstep.pickle")))
+    peak = rep.peak
+    per_category = peak.sites.groupby("category")["bytes"].sum()
+    assert per_category.to_dict() == peak.by_category
+    for _, site in peak.sites.iterrows():
+        assert site["bytes"] <= peak.by_category[site["category"]], site["site"]
+    einsum = peak.sites[peak.sites["function"] == "einsum"]
+    assert set(einsum["category"]) >= {"activations"} and len(einsum) >= 2
