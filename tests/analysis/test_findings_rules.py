@@ -154,3 +154,16 @@ def test_phase_findings_and_compute_findings_order() -> None:
     rep = replay(_snap([_ev("alloc", 16, 100, 1), _ev("free_completed", 64, 30, 2)]))
     codes = [f.code for f in compute_findings(rep, _phases())]
     assert codes == ["peak", "top_site", "pre_existing", "unknown_frees", "phase_peak"]
+
+
+def test_unknown_frees_on_memtrace_snapshots_name_the_window() -> None:
+    """MemTrace chose the window: the finding must not blame a late start or a dropped ring buffer (issue 13, point 10)."""
+    header = {"producer": "lightning_memtrace", "device": "cpu", "steps": [1, 2]}
+    trace = [_tagged("alloc", 16, 100, 1, "forward", 1, "activations")]
+    trace.append(_tagged("free_completed", 64, 30, 2, "forward", 1, "activations"))
+    (finding,) = unknown_frees_finding(replay(_snap(trace, memtrace=header)))
+    assert finding.numbers == {"unknown_frees": 1}
+    assert "ring buffer" not in finding.message and "started late" not in finding.message
+    assert "window (steps 1-2)" in finding.message and "before MemTrace opened it" in finding.message
+    plain = unknown_frees_finding(replay(_snap(trace)))[0]
+    assert "ring buffer" in plain.message  # a snapshot from elsewhere: the trace may really have been cut

@@ -268,3 +268,24 @@ def test_side_names() -> None:
         "v0/memtrace/s.pickle",
         "v1/memtrace/s.pickle",
     )
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_memtrace import __version__
+
+    assert run_main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"memtrace (lightning_memtrace) {__version__}"
+
+
+def test_output_under_a_file_is_one_clear_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    snapshot = str(snapshot_fixture("shreyansh26_profile_grad.pkl"))
+    line = assert_one_line_error(capsys, run_main(["report", snapshot, "-o", str(afile / "x.html")]), "is a file")
+    assert "File exists" not in line and str(afile) in line
+    line = assert_one_line_error(
+        capsys, run_main(["report", snapshot, "-o", str(tmp_path / "r.html"), "--png", str(afile / "t.png")])
+    )
+    assert "is a file, not a folder" in line
+    assert_one_line_error(capsys, run_main(["report", snapshot, "-o", str(tmp_path)]), "is a folder")
+    assert not (tmp_path / "r.html").exists()

@@ -226,6 +226,15 @@ def unknown_frees_finding(replay: Replay) -> list[Finding]:
     count = replay.main.unknown_frees
     if not count:
         return []
+    if replay.is_memtrace:
+        # MemTrace chose the window: these are frees, inside it, of blocks allocated before it began
+        steps = header_steps(replay.memtrace)
+        window = f" (steps {steps[0]}-{steps[1]})" if steps is not None else ""
+        message = (
+            f"{count} free(s) in this snapshot's window{window} of blocks allocated before MemTrace opened it: "
+            "counted as pre-existing (widen the window with history_skip_steps/history_steps to see where they were made)"
+        )
+        return [Finding("unknown_frees", message, Severity.INFO, {"unknown_frees": count})]
     message = (
         f"{count} free(s) of allocations made before the trace began (recording started late or "
         "its ring buffer dropped them): counted as pre-existing"

@@ -1,4 +1,5 @@
-"""Terminal output of ``memtrace``: a rich console of a fixed width when not a terminal, a progress bar on stderr."""
+"""Terminal output of ``memtrace``: a rich console (``COLUMNS`` wide, else 160, when not a terminal), a progress bar on
+stderr."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
-
 
 #: Width of the tables when the output is not a terminal and ``COLUMNS`` is not set.
 PIPED_WIDTH = 160
