@@ -149,3 +149,20 @@ def test_log_folder_report_is_titled_by_run(tmp_path: Path) -> None:
         assert "<h1>Memory report: lightning_logs/version_3</h1>" in page
         assert "Memory report: memtrace<" not in page
     assert run_name(tmp_path / "x" / "snap.pickle") == "snap.pickle"
+
+
+def test_estimate_table_is_formatted() -> None:
+    import pandas as pd
+
+    from lightning_memtrace.report.page import readable_numbers
+
+    frame = pd.DataFrame(
+        {"phase": ["forward"], "step": [12000], "estimated_bytes": [1572864], "error_percent": [3.14159]}
+    )
+    row = readable_numbers(frame).iloc[0].to_dict()
+    assert row == {
+        "phase": "forward",
+        "step": "12,000",
+        "estimated_bytes": "1.5 MiB (1,572,864 B)",
+        "error_percent": "3.1%",
+    }

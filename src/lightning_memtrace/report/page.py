@@ -208,11 +208,31 @@ def _other_sections(source: ReportSource) -> list[str]:
         except Exception:  # a comparison that cannot be read is left out, the report stands without it
             continue
         numeric = {c for c in comparison.columns if c.endswith(("_bytes", "_percent"))}
+        comparison = readable_numbers(comparison)
         sections.append(f"<h2>Estimate vs measured ({esc(estimate_csv.name)})</h2>" + table(comparison, numeric))
     for s in source.snapshots:
         if s.oom_text:
             sections.append(f"<h2>Out of memory: {esc(s.path.name)}</h2><pre>{esc(s.oom_text)}</pre>")
     return sections
+
+
+def readable_numbers(frame: pd.DataFrame) -> pd.DataFrame:
+    """``*_bytes`` columns as ``1.5 MiB (1,572,864 B)``, ``*_percent`` as ``12.3%``, other integers with separators."""
+    out = frame.copy().astype(object)
+    for column in frame.columns:
+        values = pd.to_numeric(frame[column], errors="coerce")
+        if values.isna().all():
+            continue
+        for index, value in values.items():
+            if pd.isna(value):
+                continue
+            if str(column).endswith("_bytes"):
+                out.at[index, column] = format_bytes_exact(int(value))
+            elif str(column).endswith("_percent"):
+                out.at[index, column] = f"{float(value):.1f}%"
+            elif float(value).is_integer() and abs(value) >= 1000:
+                out.at[index, column] = f"{int(value):,}"
+    return out
 
 
 def run_name(path: Path) -> str:
