@@ -58,6 +58,28 @@ def test_stale_gradients() -> None:
     assert stale_gradients_finding(replay(_snap([_ev("alloc", 16, 10, 1)]))) == []
 
 
+def test_stale_gradients_advice_is_true_for_lightning() -> None:
+    """Lightning zeroes gradients inside its closure, after forward: the advice must not say it does so after
+    optimizer.step(); it names what frees them earlier in Lightning and what that saves."""
+    header = {"device": "cuda:0", "steps": [1, 2]}
+    trace = [
+        _tagged("alloc", 16, 4000, 1, "backward", 1, "gradients"),
+        _tagged("alloc", 32, 1000, 2, "forward", 2, "activations"),
+        _tagged("free_completed", 32, 1000, 3, "forward", 2, "activations"),
+    ]
+    (finding,) = stale_gradients_finding(replay(_snap(trace, memtrace=header)))
+    assert "Lightning does" not in finding.message
+    assert "after training_step and before backward" in finding.message
+    assert "override optimizer_step" in finding.message and "zero_grad(set_to_none=True)" in finding.message
+    assert finding.numbers["peak_saving_bytes"] == 4000  # the peak is in forward, with the gradients live
+    assert "would drop by up to 3.9 KiB (4,000 B)" in finding.message
+    # a peak in backward: freeing them during forward does not lower it, and the finding says so
+    later = trace + [_tagged("alloc", 48, 9000, 4, "backward", 2, "gradients")]
+    (finding,) = stale_gradients_finding(replay(_snap(later, memtrace=header)))
+    assert finding.numbers["peak_saving_bytes"] == 0
+    assert "the peak (in backward) would not change" in finding.message
+
+
 def test_fragmentation_and_reserved() -> None:
     trace = [_ev("alloc", 16, 1000, 1)]
     wide = replay(_snap(trace, [{"device": 0, "total_size": 2000, "blocks": []}]))
@@ -132,3 +154,16 @@ def test_phase_findings_and_compute_findings_order() -> None:
     rep = replay(_snap([_ev("alloc", 16, 100, 1), _ev("free_completed", 64, 30, 2)]))
     codes = [f.code for f in compute_findings(rep, _phases())]
     assert codes == ["peak", "top_site", "pre_existing", "unknown_frees", "phase_peak"]
+
+
+def test_unknown_frees_on_memtrace_snapshots_name_the_window() -> None:
+    """MemTrace chose the window: the finding must not blame a late start or a dropped ring buffer (issue 13, point 10)."""
+    header = {"producer": "lightning_memtrace", "device": "cpu", "steps": [1, 2]}
+    trace = [_tagged("alloc", 16, 100, 1, "forward", 1, "activations")]
+    trace.append(_tagged("free_completed", 64, 30, 2, "forward", 1, "activations"))
+    (finding,) = unknown_frees_finding(replay(_snap(trace, memtrace=header)))
+    assert finding.numbers == {"unknown_frees": 1}
+    assert "ring buffer" not in finding.message and "started late" not in finding.message
+    assert "window (steps 1-2)" in finding.message and "before MemTrace opened it" in finding.message
+    plain = unknown_frees_finding(replay(_snap(trace)))[0]
+    assert "ring buffer" in plain.message  # a snapshot from elsewhere: the trace may really have been cut

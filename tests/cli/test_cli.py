@@ -214,3 +214,78 @@ def test_summary_of_a_log_folder_with_only_the_csv(tmp_path: Path, capsys: pytes
     assert "7.0 MiB" in out
     assert "highest peak in the phases table: 7.0 MiB (7,340,032 B) by after_backward of step 1 (rank 0)" in out
     assert "no snapshot in the folder" in out
+
+
+def _recorded_run(folder: Path, width: int) -> Path:
+    torch = pytest.importorskip("torch")
+    from lightning_memtrace import MemoryRecorder
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, width), torch.nn.GELU(), torch.nn.Linear(width, 64))
+    optimizer = torch.optim.AdamW(model.parameters())
+    with MemoryRecorder(model, [optimizer], output_dir=folder, history_skip_steps=1, history_steps=2) as recorder:
+        for step in range(4):
+            x = torch.randn(16, 64)
+            recorder.begin_batch(x, step=step)
+            loss = model(x).square().mean()
+            recorder.mark_forward_done()
+            loss.backward()
+            recorder.mark_backward_done()
+            optimizer.step()
+            optimizer.zero_grad()
+            recorder.end_batch()
+    snapshots = sorted(folder.rglob("snapshot_rank0_*.pickle"))
+    if not snapshots:
+        pytest.skip("the recorder wrote no snapshot")
+    return snapshots[0]
+
+
+def test_diff_of_two_cpu_runs_names_sides_by_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 13, point 7: equal file names are told apart by their folders; nothing reserved on CPU; human units."""
+    monkeypatch.setenv("COLUMNS", "200")
+    a = _recorded_run(tmp_path / "run_a", 128)
+    b = _recorded_run(tmp_path / "run_b", 256)
+    assert a.name == b.name
+    assert run_main(["diff", str(tmp_path / "run_a"), str(tmp_path / "run_b")]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].startswith("A = run_a/") and lines[0].endswith(a.name)
+    assert lines[1].startswith("B = run_b/") and lines[1].endswith(b.name)
+    assert "reserved" not in out
+    peak_row = next(line for line in lines if "peak allocated" in line)
+    assert "KiB (" in peak_row and " B)" in peak_row  # human units with the exact bytes, as summary shows them
+    params_row = next(line for line in lines if " parameters " in line)
+    assert "KiB (+" in params_row
+
+
+def test_side_names() -> None:
+    from lightning_memtrace.analysis.diff import side_names
+
+    assert side_names(Path("/x/a.pickle"), Path("/y/b.pickle")) == ("a.pickle", "b.pickle")
+    assert side_names(Path("/r/v0/memtrace/s.pickle"), Path("/r/v1/memtrace/s.pickle")) == (
+        "v0/memtrace/s.pickle",
+        "v1/memtrace/s.pickle",
+    )
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_memtrace import __version__
+
+    assert run_main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"memtrace (lightning_memtrace) {__version__}"
+
+
+def test_output_under_a_file_is_one_clear_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    snapshot = str(snapshot_fixture("shreyansh26_profile_grad.pkl"))
+    line = assert_one_line_error(capsys, run_main(["report", snapshot, "-o", str(afile / "x.html")]), "is a file")
+    assert "File exists" not in line and str(afile) in line
+    line = assert_one_line_error(
+        capsys, run_main(["report", snapshot, "-o", str(tmp_path / "r.html"), "--png", str(afile / "t.png")])
+    )
+    assert "is a file, not a folder" in line
+    assert_one_line_error(capsys, run_main(["report", snapshot, "-o", str(tmp_path)]), "is a folder")
+    assert not (tmp_path / "r.html").exists()

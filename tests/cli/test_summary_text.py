@@ -29,3 +29,27 @@ def test_report_and_summary_read_one_view() -> None:
     assert len(view.sites) == min(3, len(peak.sites)) and view.site_count == len(peak.sites)
     assert sum(s.bytes for s in view.categories) == view.total_bytes
     assert isinstance(source.main, LoadedSnapshot) and replay  # the view is computed from the replayed snapshot
+
+
+def test_shorten_where_keeps_file_and_line() -> None:
+    from lightning_memtrace.cli.summary import shorten_where
+
+    where = "/home/me/project/pkg/sub/module.py:1234"
+    assert shorten_where(where, 80) == where
+    assert shorten_where(where, 24) == "…/pkg/sub/module.py:1234"
+    assert shorten_where(where, 23) == "…/sub/module.py:1234"
+    assert shorten_where(where, 5) == "…/module.py:1234"  # never cuts the file name or the line
+    assert shorten_where("(no Python frame)", 5) == "(no Python frame)"
+
+
+@pytest.mark.parametrize("columns", ["120", "160"])
+def test_summary_sites_keep_line_numbers(columns: str, capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
+    """Two lines of one file stay told apart at 120 columns and piped at 160 (issue 13, point 4)."""
+    monkeypatch.setenv("COLUMNS", columns)
+    path = fixture_path("kkaitlyn111_memory_files_memory_ctx128_fullstep.pickle")
+    assert main(["summary", str(path), "--sites", "8"]) == 0
+    out = capsys.readouterr().out
+    sites = out[out.index("largest allocation sites") : out.index("findings")]
+    assert max(len(line) for line in sites.splitlines()) <= int(columns)
+    for where in ("optimizers.py:82 ", "optimizers.py:84 ", "optimizers.py:100 ", "_backends.py:288 "):
+        assert where in sites, where

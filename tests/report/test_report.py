@@ -464,6 +464,7 @@ def test_findings_name_causes_with_numbers() -> None:
     assert stale.message.startswith(
         "the previous step's gradients, 1.2 GiB (1,288,490,188 B), are alive during forward"
     )
+    assert stale.numbers["peak_saving_bytes"] == gib + gib // 5 and "Lightning does" not in stale.message
     frag = findings["fragmentation"]
     assert frag.numbers["reserved_bytes"] == 10 * gib
     assert frag.message.startswith("reserved exceeds allocated by 30% at the peak")

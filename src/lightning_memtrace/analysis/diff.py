@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pandas as pd
 
 from lightning_memtrace.analysis.loader import SnapshotError
 from lightning_memtrace.analysis.source import ReportSource
+from lightning_memtrace.schema import header_is_cpu
 from lightning_memtrace.types import CATEGORIES
 
 
@@ -40,6 +42,25 @@ def _site_key_frame(sites: pd.DataFrame, name_by_script: bool) -> pd.DataFrame:
     return frame.groupby("key", sort=False)["bytes"].sum()
 
 
+def side_names(a: Path, b: Path) -> tuple[str, str]:
+    """Names for two files: their names, or, when the names are equal, their paths from the last folder that differs
+    (``run_a/memtrace/snapshot_rank0_steps1-2.pickle``)."""
+    if a.name != b.name:
+        return a.name, b.name
+    pa, pb = a.resolve().parts, b.resolve().parts
+    same = 0
+    while same < min(len(pa), len(pb)) and pa[-1 - same] == pb[-1 - same]:
+        same += 1
+    if same >= min(len(pa), len(pb)):
+        return str(a), str(b)
+    return "/".join(pa[-1 - same :]), "/".join(pb[-1 - same :])
+
+
+def _reserved_known(source: ReportSource) -> bool:
+    rep = source.main.replay if source.main is not None else None
+    return rep is not None and rep.main.reserved_known and not header_is_cpu(rep.memtrace)
+
+
 def diff_sources(a: ReportSource, b: ReportSource) -> Diff:
     """Compare the main snapshots (highest peak) of two sources at their peaks."""
     if a.main is None or b.main is None:
@@ -54,6 +75,8 @@ def diff_sources(a: ReportSource, b: ReportSource) -> Diff:
             {"figure": "events", "a": ra.num_events, "b": rb.num_events},
         ]
     )
+    if not (_reserved_known(a) or _reserved_known(b)):  # CPU runs: no caching allocator, nothing reserved to show
+        summary = summary[~summary["figure"].str.startswith("reserved")].reset_index(drop=True)
     summary["delta"] = summary["b"] - summary["a"]
     cats = [c for c in CATEGORIES if c in pa.by_category or c in pb.by_category]
     by_category = pd.DataFrame(
@@ -74,4 +97,4 @@ def diff_sources(a: ReportSource, b: ReportSource) -> Diff:
     by_site = by_site.reindex(by_site["delta"].abs().sort_values(ascending=False, kind="stable").index)
     by_site.index.name = "site"
     by_site = by_site.reset_index()
-    return Diff(a.main.path.name, b.main.path.name, summary, by_category, by_site)
+    return Diff(*side_names(a.main.path, b.main.path), summary, by_category, by_site)

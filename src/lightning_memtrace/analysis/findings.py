@@ -122,13 +122,24 @@ def stale_gradients_finding(replay: Replay) -> list[Finding]:
         return []
     row = int(grads.idxmax())
     step = int(tl["step"].iat[row])
+    peak = main.peak
+    # zeroing them right after optimizer.step() frees them before the next forward: a peak in forward loses them
+    at_peak = int(peak.by_category.get("gradients", 0)) if peak.stage == "forward" else 0
+    saving = (
+        f"the peak, in forward, would drop by up to {format_bytes(at_peak)} ({at_peak:,} B)"
+        if at_peak > 0
+        else f"the peak{f' (in {peak.stage})' if peak.stage not in ('', 'outside') else ''} would not change"
+    )
     message = (
         f"the previous step's gradients, {format_bytes(best)} ({best:,} B), are alive during "
-        f"forward{f' of step {step}' if step >= 0 else ''}: call "
-        "optimizer.zero_grad(set_to_none=True) right after optimizer.step() (Lightning does by "
-        "default) to free them before the next forward"
+        f"forward{f' of step {step}' if step >= 0 else ''}: Lightning's automatic optimization zeroes them inside "
+        "its closure, after training_step and before backward, so they live through every forward. To free them "
+        "earlier, override optimizer_step in the LightningModule: call super().optimizer_step(...) and then "
+        "optimizer.zero_grad(set_to_none=True) (correct with gradient accumulation too); in a plain PyTorch loop, "
+        f"call it right after optimizer.step(). It frees {format_bytes(best)} during forward; {saving}"
     )
-    return [Finding("stale_gradients", message, Severity.WARNING, {"gradients_bytes": best, "row": row, "step": step})]
+    numbers = {"gradients_bytes": best, "row": row, "step": step, "peak_saving_bytes": at_peak}
+    return [Finding("stale_gradients", message, Severity.WARNING, numbers)]
 
 
 def fragmentation_finding(replay: Replay) -> list[Finding]:
@@ -215,6 +226,15 @@ def unknown_frees_finding(replay: Replay) -> list[Finding]:
     count = replay.main.unknown_frees
     if not count:
         return []
+    if replay.is_memtrace:
+        # MemTrace chose the window: these are frees, inside it, of blocks allocated before it began
+        steps = header_steps(replay.memtrace)
+        window = f" (steps {steps[0]}-{steps[1]})" if steps is not None else ""
+        message = (
+            f"{count} free(s) in this snapshot's window{window} of blocks allocated before MemTrace opened it: "
+            "counted as pre-existing (widen the window with history_skip_steps/history_steps to see where they were made)"
+        )
+        return [Finding("unknown_frees", message, Severity.INFO, {"unknown_frees": count})]
     message = (
         f"{count} free(s) of allocations made before the trace began (recording started late or "
         "its ring buffer dropped them): counted as pre-existing"

@@ -29,8 +29,8 @@ class Peak:
         stage: The stage (phase) there.
         step: The step there (-1 when unknown).
         by_category: Live bytes per category there, largest first.
-        sites: The live allocations there grouped by site: ``site, file, line, function, category, bytes, count``,
-            largest first.
+        sites: The live allocations there grouped by site and category (a site whose allocations fall in several
+            categories has a row per category): ``site, file, line, function, category, bytes, count``, largest first.
         inferred_bytes: How many of the live bytes have an inferred (not recorded) category.
     """
 
@@ -138,9 +138,10 @@ class DeviceReplay:
         live = self.live_allocations(index)
         if len(live) == 0:
             return pd.DataFrame(columns=SITE_COLUMNS)
+        # one row per site and category: a site's bytes in category C never exceed C's total
         grouped = (
-            live.groupby(["site", "file", "line", "function"], observed=True, sort=False)
-            .agg(bytes=("size", "sum"), count=("size", "size"), category=("category", _mode))
+            live.groupby(["site", "file", "line", "function", "category"], observed=True, sort=False)
+            .agg(bytes=("size", "sum"), count=("size", "size"))
             .reset_index()
             .sort_values(["bytes", "count"], ascending=[False, False], kind="stable")
             .reset_index(drop=True)
@@ -187,11 +188,6 @@ class DeviceReplay:
         ordered = {k: out[k] for k in CATEGORIES if k in out}
         ordered.update({k: v for k, v in out.items() if k not in ordered})
         return pd.DataFrame(ordered, index=rows)
-
-
-def _mode(values: pd.Series) -> str:
-    counts = values.astype(str).value_counts()
-    return str(counts.index[0]) if len(counts) else ""
 
 
 @dataclasses.dataclass

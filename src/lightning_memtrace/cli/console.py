@@ -1,18 +1,31 @@
-"""Terminal output of ``memtrace``: a rich console of a fixed width when not a terminal, a progress bar on stderr."""
+"""Terminal output of ``memtrace``: a rich console (``COLUMNS`` wide, else 160, when not a terminal), a progress bar on
+stderr."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
+
+#: Width of the tables when the output is not a terminal and ``COLUMNS`` is not set.
+PIPED_WIDTH = 160
+
+
+def _piped_width() -> int:
+    try:
+        width = int(os.environ.get("COLUMNS", ""))
+    except ValueError:
+        return PIPED_WIDTH
+    return width if width >= 40 else PIPED_WIDTH
 
 
 def console(stderr: bool = False) -> Any:
     from rich.console import Console
 
     stream = sys.stderr if stderr else sys.stdout
-    width = None if stream.isatty() else 160
+    width = None if stream.isatty() else _piped_width()
     return Console(file=stream, width=width, highlight=False, soft_wrap=False)
 
 

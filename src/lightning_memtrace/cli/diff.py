@@ -23,7 +23,12 @@ def add_subcommand(subparsers: Any) -> None:
 def _signed(value: int) -> str:
     if value == 0:
         return "0 B"
-    return f"{'+' if value > 0 else '-'}{abs(value):,} B ({'+' if value > 0 else '-'}{format_bytes(abs(value))})"
+    sign = "+" if value > 0 else "-"
+    return f"{sign}{format_bytes(abs(value))} ({sign}{abs(value):,} B)"
+
+
+def _bytes(value: int) -> str:
+    return f"{format_bytes(value)} ({value:,} B)"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -37,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
         b = load_source(args.b, progress=callback, **loader_kwargs(args))
     result = diff_sources(a, b)
     out = console()
-    out.print(f"A = {result.a_name}\nB = {result.b_name}")
+    out.print(f"A = {result.a_name}\nB = {result.b_name}", markup=False)
     for title, frame, key in (
         ("at the peak", result.summary, "figure"),
         ("live bytes at the peak, by category", result.by_category, "category"),
@@ -53,6 +58,6 @@ def run(args: argparse.Namespace) -> int:
             if key == "figure" and name == "events":
                 table.add_row(name, f"{int(row['a']):,}", f"{int(row['b']):,}", f"{int(row['delta']):+,}")
             else:
-                table.add_row(name, f"{int(row['a']):,} B", f"{int(row['b']):,} B", _signed(int(row["delta"])))
+                table.add_row(name, _bytes(int(row["a"])), _bytes(int(row["b"])), _signed(int(row["delta"])))
         out.print(table)
     return 0

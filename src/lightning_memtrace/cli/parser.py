@@ -52,7 +52,10 @@ def _module_adders() -> list[SubcommandAdder]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``memtrace`` parser with every subcommand: built-in, listed in :data:`SUBCOMMAND_MODULES`, registered."""
+    from lightning_memtrace import __version__
+
     parser = Parser(prog=PROG, description="Read PyTorch memory snapshots and MemTrace logs.")
+    parser.add_argument("--version", action="version", version=f"{PROG} (lightning_memtrace) {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     report.add_subcommand(subparsers)
     summary.add_subcommand(subparsers)

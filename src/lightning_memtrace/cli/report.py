@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from lightning_memtrace.cli.args import add_max_bytes, loader_kwargs, positive_int
 from lightning_memtrace.cli.console import progress
+from lightning_memtrace.cli.errors import CliError
 from lightning_memtrace.units import format_bytes
 
 
@@ -27,8 +29,25 @@ def add_subcommand(subparsers: Any) -> None:
     parser.set_defaults(func=run)
 
 
+def check_output(path: str | None) -> None:
+    """Fail with one clear line when a file to write cannot be: a folder on its way is a file, or it is a folder."""
+    if path is None:
+        return
+    target = Path(path)
+    if target.is_dir():
+        raise CliError(f"cannot write {target}: it is a folder (give a file name, e.g. {target / 'report.html'})")
+    for folder in target.parents:
+        if folder.exists():
+            if not folder.is_dir():
+                raise CliError(f"cannot write {target}: {folder} is a file, not a folder")
+            break
+
+
 def run(args: argparse.Namespace) -> int:
     from lightning_memtrace.report import DEFAULT_MAX_POINTS, write_report
+
+    check_output(args.output)
+    check_output(args.png)
 
     with progress() as callback:
         out = write_report(

@@ -54,8 +54,32 @@ def categories_table(view: Any) -> Any:
     return _table("live at the peak, by category", columns, rows)
 
 
-def sites_table(view: Any) -> Any:
-    rows = [[s.where, s.function, s.label, format_bytes(s.bytes), f"{s.bytes:,}", f"{s.count:,}"] for s in view.sites]
+def shorten_where(where: str, width: int) -> str:
+    """``file:line`` in at most ``width`` characters: the file name and line number are kept whole, the directories
+    are dropped from the left (``…/pkg/file.py:123``)."""
+    if len(where) <= width:
+        return where
+    path, sep, line = where.rpartition(":")
+    if not sep or not line.isdigit():
+        path, line = where, ""
+    tail = f":{line}" if line else ""
+    parts = path.replace("\\", "/").split("/")
+    kept = parts[-1]
+    for part in reversed(parts[:-1]):
+        candidate = f"{part}/{kept}"
+        if len(f"…/{candidate}{tail}") > width:
+            break
+        kept = candidate
+    return f"…/{kept}{tail}" if kept != path else f"{kept}{tail}"
+
+
+#: The widest the function column gets before the file:line column is shortened.
+FUNCTION_WIDTH = 24
+
+
+def sites_table(view: Any, width: int | None = None) -> Any:
+    """The largest sites; with ``width`` (the console's), ``file:line`` is shortened in the middle to fit."""
+    cells = [[s.where, s.function, s.label, format_bytes(s.bytes), f"{s.bytes:,}", f"{s.count:,}"] for s in view.sites]
     columns = [
         ("file:line", "left"),
         ("function", "left"),
@@ -64,7 +88,19 @@ def sites_table(view: Any) -> Any:
         ("exact", "right"),
         ("count", "right"),
     ]
-    return _table("largest allocation sites at the peak", columns, rows)
+    if width is not None and cells:
+        widths = [max(len(name), *(len(row[i]) for row in cells)) for i, (name, _) in enumerate(columns)]
+        others = min(widths[1], FUNCTION_WIDTH) + sum(widths[2:])
+        budget = max(24, width - others - (3 * len(columns) + 1))
+        cells = [[shorten_where(row[0], budget), *row[1:]] for row in cells]
+    from rich.table import Table
+
+    table = Table(title="largest allocation sites at the peak")
+    for i, (column, justify) in enumerate(columns):
+        table.add_column(column, justify=justify, no_wrap=i == 0, min_width=None)  # type: ignore[arg-type]
+    for row in cells:
+        table.add_row(*row)
+    return table
 
 
 def ranks_table(overview: Any) -> Any:
@@ -121,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
     if main is not None:
         view = snapshot_view(main, max_sites=args.sites)
         findings = compute_findings(main.replay, source.phases)
-        for table in (info_table(view), categories_table(view), sites_table(view)):
+        for table in (info_table(view), categories_table(view), sites_table(view, out.width)):
             out.print(table)
     else:
         assert source.phases is not None

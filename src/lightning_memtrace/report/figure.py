@@ -168,15 +168,19 @@ def _scatter(**kwargs: Any) -> dict[str, Any]:
     return {"type": "scatter", **kwargs}
 
 
+def axis_unit(top: float) -> tuple[int, str]:
+    """The 1024-based unit an axis reaching ``top`` bytes reads in (``(1024**2, "MiB")`` for 100 MiB), as the tables."""
+    for candidate, label in ((1024**4, "TiB"), (1024**3, "GiB"), (1024**2, "MiB"), (1024, "KiB")):
+        if top >= candidate:
+            return candidate, label
+    return 1, "B"
+
+
 def binary_ticks(top: float, target: int = 6) -> dict[str, Any]:
     """Y-axis ticks at round 1024-based sizes (``tickvals``/``ticktext``), so the axis reads in KiB/MiB/GiB."""
     if top <= 0:
         return {}
-    unit, name = 1, "B"
-    for candidate, label in ((1024**4, "TiB"), (1024**3, "GiB"), (1024**2, "MiB"), (1024, "KiB")):
-        if top >= candidate:
-            unit, name = candidate, label
-            break
+    unit, name = axis_unit(top)
     raw = top / unit / target
     magnitude = 10 ** np.floor(np.log10(raw)) if raw > 0 else 1
     step = next(m * magnitude for m in (1, 2, 2.5, 5, 10) if m * magnitude >= raw) * unit
@@ -266,6 +270,30 @@ def _label(x: float, y: float, text: str, color: str, **extra: Any) -> dict[str,
     }
 
 
+#: Width of one character of a band label, as a fraction of the plot's width (9 px font, ~1200 px plot).
+LABEL_CHAR_FRACTION = 6.0 / 1100
+#: Rows of band labels (paper y), top first: adjacent labels alternate between them.
+LABEL_ROWS = (1.0, 0.955)
+
+
+def _band_labels(labels: list[tuple[float, float, str]], x_min: float, x_max: float) -> list[dict[str, Any]]:
+    """Labels for phase bands that never overlap: each goes in the first row where it fits after the label before it;
+    a band narrower than half its label, or one that fits in no row, gets none (its colour and hover still tell)."""
+    span = max(x_max - x_min, 1e-12)
+    row_end = [float("-inf")] * len(LABEL_ROWS)
+    out = []
+    for x0, x1, name in labels:
+        width = (len(name) + 1) * LABEL_CHAR_FRACTION * span
+        if x1 - x0 < width / 2:
+            continue
+        for row, y in enumerate(LABEL_ROWS):
+            if x0 >= row_end[row]:
+                row_end[row] = x0 + width
+                out.append(_label(x0, y, esc(name), "#555", yanchor="top", name=f"phase-label-row{row}"))
+                break
+    return out
+
+
 def _phase_bands(tl: Any, all_x: np.ndarray) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Shaded bands per run of a phase (runs shorter than 1/400 of the trace dropped, at most 400), labelled when few."""
     phase_codes = tl["phase"].cat.codes.to_numpy()
@@ -273,7 +301,8 @@ def _phase_bands(tl: Any, all_x: np.ndarray) -> tuple[list[dict[str, Any]], list
     runs = [r for r in _runs(phase_codes) if phase_names[r[2]] in PHASE_COLORS]
     min_len = max(1, len(tl) // 400)
     runs = [r for r in runs if r[1] - r[0] >= min_len][:400]
-    shapes, annotations = [], []
+    shapes: list[dict[str, Any]] = []
+    labels: list[tuple[float, float, str]] = []
     for s, e, code in runs:
         name = phase_names[code]
         shapes.append(
@@ -290,8 +319,8 @@ def _phase_bands(tl: Any, all_x: np.ndarray) -> tuple[list[dict[str, Any]], list
                 "layer": "below",
             }
         )
-        if len(runs) <= 40:
-            annotations.append(_label(float(all_x[s]), 1.0, esc(name), "#555", yanchor="top"))
+        labels.append((float(all_x[s]), float(all_x[e - 1]), name))
+    return shapes, _band_labels(labels, float(all_x[0]) if len(all_x) else 0.0, float(all_x[-1]) if len(all_x) else 0.0)
     return shapes, annotations
 
 
@@ -346,7 +375,11 @@ def build_figure(dev: DeviceReplay, data: TimelineData, title: str) -> Any:
     fig.update_layout(
         title={"text": esc(title)},
         xaxis={"title": {"text": data.x_title}},
-        yaxis={"title": {"text": "bytes"}, "rangemode": "tozero", **binary_ticks(_y_top(data))},
+        yaxis={
+            "title": {"text": "bytes"},
+            "range": [0, _y_top(data) * 1.18 or 1],  # room for the peak's label under the phase labels
+            **binary_ticks(_y_top(data)),
+        },
         hovermode="x unified",
         shapes=shapes,
         annotations=annotations,

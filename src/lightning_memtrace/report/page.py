@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -13,7 +14,7 @@ from lightning_memtrace.analysis.findings import Finding, compute_findings, comp
 from lightning_memtrace.analysis.ranks import RankOverview, add_rank_finding, rank_overview
 from lightning_memtrace.analysis.source import LoadedSnapshot, ReportSource
 from lightning_memtrace.analysis.view import MemoryView, snapshot_view
-from lightning_memtrace.files import ESTIMATE_COMPARISON_GLOB
+from lightning_memtrace.files import ESTIMATE_COMPARISON_GLOB, MEMTRACE_DIR
 from lightning_memtrace.report.figure import DEFAULT_MAX_POINTS, build_figure, phases_figure, timeline_data
 from lightning_memtrace.report.html import (
     breakdown_table,
@@ -207,6 +208,7 @@ def _other_sections(source: ReportSource) -> list[str]:
         except Exception:  # a comparison that cannot be read is left out, the report stands without it
             continue
         numeric = {c for c in comparison.columns if c.endswith(("_bytes", "_percent"))}
+        comparison = readable_numbers(comparison)
         sections.append(f"<h2>Estimate vs measured ({esc(estimate_csv.name)})</h2>" + table(comparison, numeric))
     for s in source.snapshots:
         if s.oom_text:
@@ -214,11 +216,44 @@ def _other_sections(source: ReportSource) -> list[str]:
     return sections
 
 
+def readable_numbers(frame: pd.DataFrame) -> pd.DataFrame:
+    """``*_bytes`` columns as ``1.5 MiB (1,572,864 B)``, ``*_percent`` as ``12.3%``, other integers with separators."""
+    out = frame.copy().astype(object)
+    for column in frame.columns:
+        values = pd.to_numeric(frame[column], errors="coerce")
+        if values.isna().all():
+            continue
+        for index, value in values.items():
+            if pd.isna(value):
+                continue
+            if str(column).endswith("_bytes"):
+                out.at[index, column] = format_bytes_exact(int(value))
+            elif str(column).endswith("_percent"):
+                out.at[index, column] = f"{float(value):.1f}%"
+            elif float(value).is_integer() and abs(value) >= 1000:
+                out.at[index, column] = f"{int(value):,}"
+    return out
+
+
+def run_name(path: Path) -> str:
+    """The name a report is titled with: a snapshot's file name; a log folder's run (``lightning_logs/version_0`` for
+    ``lightning_logs/version_0/memtrace``, never ``memtrace``)."""
+    path = Path(path)
+    if not path.is_dir():
+        return path.name
+    folder = path.resolve()
+    if folder.name == MEMTRACE_DIR and folder.parent != folder:
+        folder = folder.parent
+    if folder.name.startswith("version_") and folder.parent.name:  # a logger's version folder: name its experiment too
+        return f"{folder.parent.name}/{folder.name}"
+    return folder.name
+
+
 def _header(source: ReportSource, findings: list[Finding]) -> str:
     main = source.main
     items = "".join(f'<li class="{esc(f.severity)}">{esc(f.message)}</li>' for f in findings) or "<li>No finding.</li>"
     return (
-        f"<h1>Memory report: {esc(source.path.name)}</h1>"
+        f"<h1>Memory report: {esc(run_name(source.path))}</h1>"
         f'<div class="meta">{esc(str(source.path))} · {len(source.snapshots)} snapshot(s)'
         + (f" · {main.replay.num_segments:,} segments · {main.replay.num_events:,} events" if main else "")
         + "</div>"
@@ -241,7 +276,7 @@ def render_html(
     page.summary["findings"] = [{"code": f.code, "message": f.message} for f in page.findings]
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
-        f"<title>memtrace report: {esc(source.path.name)}</title><style>{CSS}</style></head><body>"
+        f"<title>memtrace report: {esc(run_name(source.path))}</title><style>{CSS}</style></head><body>"
         + _header(source, page.findings)
         + "".join(page.sections)
         + f'<script type="application/json" id="memtrace-summary">{summary_json(page.summary)}</script>'

@@ -15,7 +15,7 @@ CATEGORY_COLORS: dict[str, str] = {
     "activations": "#ff7f0e",
     "intermediates": "#ffbb78",
     "optimizer_intermediates": "#c5b0d5",
-    "other": "#7f7f7f",
+    "other": "#17becf",  # not a grey: pre-existing is the grey one
 }
 PHASE_COLORS = {
     "forward": "rgba(255,127,14,0.07)",
