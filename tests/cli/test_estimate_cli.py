@@ -164,3 +164,62 @@ def test_standalone_module_runs():
     assert out.returncode == 0, out.stderr
     assert "fits in 1.0 GiB" in out.stdout
     assert "Traceback" not in out.stderr
+
+
+def test_search_line_shows_digits_that_tell_the_peaks_apart():
+    """Issue 13, point 8: "63 fits (peak 2.0 GiB; 64 peaks at 2.0 GiB)" hid the answer in the rounding."""
+    from lightning_memtrace.cli.estimate import _fit_line, _search_line
+    from lightning_memtrace.estimator import MaxBatchResult
+
+    gib = 1024**3
+    budget, p63, p64 = 2 * gib, 2 * gib - 3 * 1024**2, 2 * gib + 2 * 1024**2
+    line = _search_line(budget, MaxBatchResult(63, budget, {63: p63, 64: p64}))
+    assert line == "largest micro-batch that fits in 2.000 GiB: 63 (peak 1.997 GiB; 64 peaks at 2.002 GiB)"
+    close = _search_line(budget, MaxBatchResult(63, budget, {63: budget - 10, 64: budget + 10}))
+    assert f"({budget - 10:,} B)" in close and f"({budget + 10:,} B)" in close
+    assert "1.0 KiB" not in _search_line(4096, MaxBatchResult(1, 4096, {1: 1000, 2: 5000}))  # plain where distinct
+
+    class Shown:
+        peak_bytes = budget - 5 * 1024**2
+
+    assert _fit_line(budget, Shown(), True).startswith("fits in 2.000 GiB: peak 1.995 GiB, 5.0 MiB to spare")
+
+
+def test_optimizer_choices_say_sgd_has_momentum(capsys, one_layer):
+    """Issue 13, point 8: ``sgd`` is SGD with momentum 0.9 (state); ``sgd-plain`` is SGD without (no state)."""
+    from lightning_memtrace.cli.estimate import OPTIMIZERS
+    from lightning_memtrace.estimator import OptimizerName
+
+    assert OPTIMIZERS == {name.value: name.help for name in OptimizerName}
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "sgd: SGD with momentum 0.9" in " ".join(capsys.readouterr().out.split())
+    for name, state, detail in (("sgd", ONE_LAYER_PARAM_BYTES, "momentum 0.9"), ("sgd-plain", 0, "no momentum")):
+        argv = ["--config", one_layer, "--batch-size", "1", "--seq-len", "16", "--device", "cpu", "--optimizer", name]
+        assert main([*argv, "--json"]) == 0
+        data = json.loads(capsys.readouterr().out)["estimate"]
+        assert data["categories"]["optimizer_state"] == state and data["optimizer_detail"].startswith(detail)
+        assert main(argv) == 0
+        assert f"SGD ({detail}" in capsys.readouterr().out
+
+
+def test_hub_id_offline_fails_fast_in_one_line(capsys, monkeypatch):
+    """Issue 13, point 8: a hub id without network took 27 s and printed 5 retry lines."""
+    import time
+
+    from lightning_memtrace.estimator import config as config_module
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    started = time.perf_counter()
+    assert main(["--config", "memtrace-nobody/no-such-model", "--batch-size", "1", "--seq-len", "8"]) == 2
+    assert time.perf_counter() - started < 10
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("memtrace: error: ") and "HF_HUB_OFFLINE" in err[0]
+    assert captured.out == ""
+    # not marked offline, the hub unreachable: one probe, one line
+    monkeypatch.setattr(config_module, "hub_offline", lambda: False)
+    monkeypatch.setattr(config_module, "_hub_reachable", lambda endpoint, timeout=3.0: False)
+    assert main(["--config", "memtrace-nobody/no-such-model", "--batch-size", "1", "--seq-len", "8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot be reached" in err[0]

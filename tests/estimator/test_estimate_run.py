@@ -145,3 +145,27 @@ def test_estimate_inside_a_running_fit_does_not_disturb_the_measurement(tmp_path
     assert probe.estimate is not None and probe.estimate.precision == "32-true"
     check_against_real(probe.estimate, phases)
     assert all(type(p) is torch.nn.Parameter for p in module.parameters())
+
+
+def test_plain_module_with_a_tuple_batch_says_how_to_pass_it():
+    """Issue 13, point 10: ``estimate(mlp, (x, y))`` raised the module's raw TypeError."""
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    x, y = torch.randn(4, 8), torch.randint(0, 2, (4,))
+    with pytest.raises(TypeError, match=r"model\(\*batch\) with 2 items.*training_step=lambda") as raised:
+        estimate(mlp, (x, y), device="cpu")
+    assert "\n" not in str(raised.value)
+    est = estimate(
+        mlp,
+        (x, y),
+        training_step=lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]),
+        device="cpu",
+    )
+    assert est.peak_bytes > 0
+
+
+def test_estimate_prints_as_one_line():
+    """Issue 13, point 10: ``print(estimate(...))`` dumped every record."""
+    est = estimate(torch.nn.Linear(8, 4), torch.empty(3, 8), device="cpu")
+    for text in (repr(est), str(est)):
+        assert "\n" not in text and "PhaseRecord" not in text
+        assert est.describe() in text and "peak" in text

@@ -41,7 +41,7 @@ class Finding:
 _ADVICE = {
     "activations": "gradient checkpointing, a smaller micro-batch (with gradient accumulation) or mixed precision "
     "lowers it",
-    "optimizer_state": "a sharded optimizer (FSDP / ZeRO), an 8-bit optimizer or a stateless one (SGD) lowers it",
+    "optimizer_state": "a sharded optimizer (FSDP / ZeRO), an 8-bit optimizer or a stateless one (SGD without momentum) lowers it",
     "parameters": "bf16/fp16 weights, sharding (FSDP) or a smaller model lowers it",
     "gradients": "sharding gradients (FSDP / ZeRO-2), lower-precision gradients or freezing layers lowers it",
     "optimizer_intermediates": "a fused optimizer (fused=True) or foreach=False avoids these temporary copies",

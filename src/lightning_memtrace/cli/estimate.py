@@ -25,6 +25,14 @@ from lightning_memtrace.cli.errors import PROG, Parser, error_line, run_guarded
 from lightning_memtrace.units import format_bytes
 
 NOT_FIT_EXIT = 1
+#: ``--optimizer`` choices and what each builds (the values of ``estimator.OptimizerName``; kept here so that the
+#: parser does not import torch).
+OPTIMIZERS = {
+    "adamw": "AdamW (2 state tensors per parameter)",
+    "adam": "Adam (2 state tensors per parameter)",
+    "sgd": "SGD with momentum 0.9 (1 state tensor per parameter)",
+    "sgd-plain": "SGD without momentum (no state)",
+}
 PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "bf16-true", "16-true")
 #: Options passed through to :func:`~lightning_memtrace.estimator.estimate_from_config` as they are.
 _ESTIMATE_OPTIONS = ("optimizer", "precision", "gradient_checkpointing", "accumulate_grad_batches", "device")
@@ -42,7 +50,12 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         "--batch-size", type=positive_int, default=None, help="micro-batch size (required unless --find-max-batch)"
     )
     parser.add_argument("--seq-len", type=positive_int, required=True, help="tokens per sequence")
-    parser.add_argument("--optimizer", choices=("adamw", "adam", "sgd"), default="adamw")
+    parser.add_argument(
+        "--optimizer",
+        choices=tuple(OPTIMIZERS),
+        default="adamw",
+        help="; ".join(f"{name}: {what}" for name, what in OPTIMIZERS.items()) + " (default adamw)",
+    )
     parser.add_argument("--precision", choices=PRECISIONS, default="32-true", help="Lightning's precision setting")
     parser.add_argument("--gradient-checkpointing", action="store_true", help="non-reentrant activation checkpointing")
     parser.add_argument("--accumulate-grad-batches", type=positive_int, default=1)
@@ -136,26 +149,38 @@ def _print_json(args: argparse.Namespace, shown: Any, search: Any, fits: bool | 
     print(json.dumps(payload, indent=2))
 
 
+def _distinct(*values: int) -> list[str]:
+    """The sizes, with as many digits as it takes for different byte counts to read differently (at most 3
+    decimals; beyond that, the exact bytes too)."""
+    for precision in (1, 2, 3):
+        texts = [format_bytes(v, precision) for v in values]
+        if all(texts[i] != texts[j] for i in range(len(values)) for j in range(i) if values[i] != values[j]):
+            return texts
+    return [f"{format_bytes(v, 3)} ({int(v):,} B)" for v in values]
+
+
 def _fit_line(budget_bytes: int, shown: Any, fits: bool) -> str:
-    budget = format_bytes(budget_bytes)
+    budget, peak = _distinct(budget_bytes, shown.peak_bytes)
     if fits:
         spare = format_bytes(budget_bytes - shown.peak_bytes)
-        return f"fits in {budget}: peak {format_bytes(shown.peak_bytes)}, {spare} to spare"
+        return f"fits in {budget}: peak {peak}, {spare} to spare"
     over = format_bytes(shown.peak_bytes - budget_bytes)
-    return f"does not fit in {budget}: peak {format_bytes(shown.peak_bytes)}, {over} over"
+    return f"does not fit in {budget}: peak {peak}, {over} over"
 
 
 def _search_line(budget_bytes: int, search: Any) -> str:
-    budget = format_bytes(budget_bytes)
     if search.batch_size == 0:
-        return f"no micro-batch fits in {budget} (batch 1 peaks at {format_bytes(search.peaks.get(1, 0))})"
+        budget, first = _distinct(budget_bytes, search.peaks.get(1, 0))
+        return f"no micro-batch fits in {budget} (batch 1 peaks at {first})"
     more = " (the search's upper end: larger may fit)" if search.capped else ""
     nxt = search.peaks.get(search.batch_size + 1)
-    after = f"; {search.batch_size + 1} peaks at {format_bytes(nxt)}" if nxt is not None else ""
-    return (
-        f"largest micro-batch that fits in {budget}: {search.batch_size}{more} "
-        f"(peak {format_bytes(search.peaks[search.batch_size])}{after})"
-    )
+    if nxt is None:
+        budget, peak = _distinct(budget_bytes, search.peaks[search.batch_size])
+        after = ""
+    else:
+        budget, peak, next_peak = _distinct(budget_bytes, search.peaks[search.batch_size], nxt)
+        after = f"; {search.batch_size + 1} peaks at {next_peak}"
+    return f"largest micro-batch that fits in {budget}: {search.batch_size}{more} (peak {peak}{after})"
 
 
 def _print_text(args: argparse.Namespace, shown: Any, search: Any, fits: bool | None) -> None:

@@ -86,7 +86,9 @@ def _optimizer_kind(optimizer: Any) -> str:
         return "none"
     if isinstance(optimizer, (str, OptimizerName)):
         name = OptimizerName(str(optimizer).lower())
-        return "sgd" if name is OptimizerName.SGD else "adam"
+        if name is OptimizerName.SGD:
+            return "sgd_momentum"  # the estimate's ``sgd``: momentum 0.9
+        return "sgd" if name is OptimizerName.SGD_PLAIN else "adam"
     name = type(optimizer).__name__
     if name in _ADAM_LIKE:
         return "adam"

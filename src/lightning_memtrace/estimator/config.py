@@ -29,7 +29,70 @@ def _hf_config(config: str | os.PathLike | Mapping[str, Any]) -> Any:
         raise FileNotFoundError(f"no such config file or folder: {text}")
     if path.exists():
         return AutoConfig.for_model(**load_config_dict(path))
-    return AutoConfig.from_pretrained(str(config))  # a hub id, where the network allows
+    return _hub_config(text)
+
+
+#: Seconds to wait for the hub's host before calling the network unreachable.
+HUB_PROBE_TIMEOUT_S = 3.0
+
+
+def hub_offline() -> bool:
+    """Whether Hugging Face's offline mode is on (``HF_HUB_OFFLINE`` or ``TRANSFORMERS_OFFLINE``, read now)."""
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        if os.environ.get(name, "").strip().upper() in {"1", "ON", "YES", "TRUE"}:
+            return True
+    try:
+        from huggingface_hub import constants
+    except ImportError:  # pragma: no cover - transformers depends on it
+        return False
+    return bool(getattr(constants, "HF_HUB_OFFLINE", False))
+
+
+def _hub_endpoint() -> str:
+    try:
+        from huggingface_hub import constants
+
+        return str(getattr(constants, "ENDPOINT", "https://huggingface.co"))
+    except ImportError:  # pragma: no cover
+        return "https://huggingface.co"
+
+
+def _hub_reachable(endpoint: str, timeout: float = HUB_PROBE_TIMEOUT_S) -> bool:
+    """One TCP connection to the hub's host, ``timeout`` seconds at most (no retries)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(endpoint)
+    host = parts.hostname or "huggingface.co"
+    port = parts.port or (80 if parts.scheme == "http" else 443)
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError:
+        return False
+    return True
+
+
+def _hub_config(hub_id: str) -> Any:
+    """The config of a hub id: from the local cache first; offline or unreachable, one clear error at once (no
+    retries), so that no one waits for the hub's retries to run out."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(hub_id, local_files_only=True)
+    except (OSError, ValueError):
+        pass
+    if hub_offline():
+        raise OSError(
+            "not a file or folder, nor in the local Hugging Face cache, and HF_HUB_OFFLINE is set (no download): "
+            "pass a config.json or a folder holding one"
+        )
+    endpoint = _hub_endpoint()
+    if not _hub_reachable(endpoint):
+        raise ConnectionError(
+            f"not a file or folder, nor in the local Hugging Face cache, and {endpoint} cannot be reached (offline?): "
+            "pass a config.json or a folder holding one"
+        )
+    return AutoConfig.from_pretrained(hub_id)  # a hub id, the network reachable
 
 
 def build_meta_model(config: str | os.PathLike | Mapping[str, Any]) -> nn.Module:
@@ -69,7 +132,8 @@ def estimate_from_config(
         config: The Hugging Face config.
         batch_size: Micro-batch size.
         seq_len: Tokens per sequence.
-        optimizer: ``adamw``, ``adam`` or ``sgd`` (momentum 0.9).
+        optimizer: ``adamw``, ``adam``, ``sgd`` (momentum 0.9: one state tensor per parameter) or ``sgd-plain``
+            (no momentum, no state).
         precision: Lightning's precision setting.
         gradient_checkpointing: Non-reentrant activation checkpointing.
         accumulate_grad_batches: Batches per optimizer step.
@@ -88,6 +152,8 @@ def estimate_from_config(
             return torch.optim.AdamW(params, lr=lr)
         if name is OptimizerName.ADAM:
             return torch.optim.Adam(params, lr=lr)
+        if name is OptimizerName.SGD_PLAIN:
+            return torch.optim.SGD(params, lr=lr)
         return torch.optim.SGD(params, lr=lr, momentum=0.9)
 
     return estimate(

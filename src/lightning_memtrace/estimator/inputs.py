@@ -52,11 +52,26 @@ class Precision(TextEnum):
 
 
 class OptimizerName(TextEnum):
-    """Optimizers the config-based estimate (and the CLI) can build."""
+    """Optimizers the config-based estimate (and the CLI) can build.
+
+    ``sgd`` is SGD with momentum 0.9 (one momentum buffer per parameter: it has state); ``sgd-plain`` is SGD without
+    momentum (no state).
+    """
 
     ADAMW = "adamw"
     ADAM = "adam"
     SGD = "sgd"
+    SGD_PLAIN = "sgd-plain"
+
+    @property
+    def help(self) -> str:
+        """What the name builds, in words."""
+        return {
+            OptimizerName.ADAMW: "AdamW (2 state tensors per parameter)",
+            OptimizerName.ADAM: "Adam (2 state tensors per parameter)",
+            OptimizerName.SGD: "SGD with momentum 0.9 (1 state tensor per parameter)",
+            OptimizerName.SGD_PLAIN: "SGD without momentum (no state)",
+        }[self]
 
 
 @dataclasses.dataclass(frozen=True)

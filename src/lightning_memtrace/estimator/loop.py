@@ -19,24 +19,44 @@ from lightning_memtrace.capture.recorder import MemoryRecorder
 from lightning_memtrace.types import PhaseRecord
 
 
+#: How a plain module's batch reaches it, said in every error of the default training step.
+PLAIN_MODULE_HINT = (
+    "for a plain nn.Module, pass training_step=lambda model, batch: <loss tensor>, e.g. "
+    "estimate(mlp, (x, y), training_step=lambda m, b: F.cross_entropy(m(b[0]), b[1])); without it the batch is "
+    "passed as model(**batch) for a dict, model(*batch) for a list or tuple, model(batch) otherwise, and the output "
+    "(its .loss, its 'loss', or the tensor's mean) is the loss"
+)
+
+
 def default_training_step(model: nn.Module, batch: Any) -> Tensor:
     """The loss of a plain module: ``model(**batch).loss`` (labels = input_ids for a causal LM), ``model(*batch)``..."""
     if isinstance(batch, Mapping):
-        if "input_ids" in batch and "labels" not in batch and hasattr(model, "config"):
-            out = model(**batch, labels=batch["input_ids"])
-        else:
-            out = model(**batch)
+        call = "model(**batch)"
     elif isinstance(batch, (list, tuple)):
-        out = model(*batch)
+        call = f"model(*batch) with {len(batch)} items"
     else:
-        out = model(batch)
+        call = "model(batch)"
+    try:
+        if isinstance(batch, Mapping):
+            if "input_ids" in batch and "labels" not in batch and hasattr(model, "config"):
+                out = model(**batch, labels=batch["input_ids"])
+            else:
+                out = model(**batch)
+        elif isinstance(batch, (list, tuple)):
+            out = model(*batch)
+        else:
+            out = model(batch)
+    except TypeError as error:
+        raise TypeError(
+            f"the estimate called {type(model).__name__} as {call}, which failed ({error}): {PLAIN_MODULE_HINT}"
+        ) from error
     loss = getattr(out, "loss", None)
     if loss is None and isinstance(out, Mapping):
         loss = out.get("loss")
     if loss is None and isinstance(out, Tensor):
         loss = out.float().mean()
     if not isinstance(loss, Tensor):
-        raise TypeError("the model's output has no loss: pass training_step=")
+        raise TypeError(f"{type(model).__name__}'s output has no loss ({type(out).__name__}): {PLAIN_MODULE_HINT}")
     return loss
 
 

@@ -10,7 +10,7 @@ from lightning_memtrace.types import Category, Phase, PhaseRecord
 from lightning_memtrace.units import format_bytes
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class Estimate:
     """What a training step takes, measured on fake tensors: the callback's rows plus closed-form figures.
 
@@ -21,6 +21,8 @@ class Estimate:
         device: The device the estimate is for (``cpu`` or ``cuda``).
         precision: Lightning's precision setting.
         optimizer: The optimizer's class name.
+        optimizer_detail: What the class name leaves out and memory depends on (``momentum 0.9`` for SGD with
+            momentum, ``no momentum, no state`` for plain SGD), or empty.
         batch_size: Micro-batch size (first dimension of the first batch tensor), if known.
         seq_len: Sequence length (second dimension of token ids), if known.
         accumulate_grad_batches: Batches per optimizer step.
@@ -38,6 +40,13 @@ class Estimate:
     accumulate_grad_batches: int = 1
     gradient_checkpointing: bool = False
     seconds: float = 0.0
+    optimizer_detail: str = ""
+
+    def __repr__(self) -> str:
+        """One line, as :meth:`describe` with the peak (the rows are in ``records``, the table in :meth:`table`)."""
+        return f"Estimate({self.describe()}: peak {format_bytes(self.peak_bytes)}, {len(self.records)} records)"
+
+    __str__ = __repr__
 
     @property
     def peak_bytes(self) -> int:
@@ -46,8 +55,15 @@ class Estimate:
 
     @property
     def peak_record(self) -> PhaseRecord | None:
-        """The row whose ``peak_bytes`` is highest (the phase that ends the stretch where the peak falls)."""
-        return max(self.records, key=lambda r: r.peak_bytes, default=None)
+        """The row whose ``peak_bytes`` is highest (the phase that ends the stretch where the peak falls).
+
+        Among rows with the same peak, the last one: the steady step's, which the table shows.
+        """
+        best: PhaseRecord | None = None
+        for record in self.records:
+            if best is None or record.peak_bytes >= best.peak_bytes:
+                best = record
+        return best
 
     @property
     def steady_step(self) -> int:
@@ -87,6 +103,7 @@ class Estimate:
             "device": self.device,
             "precision": self.precision,
             "optimizer": self.optimizer,
+            "optimizer_detail": self.optimizer_detail,
             "batch_size": self.batch_size,
             "seq_len": self.seq_len,
             "accumulate_grad_batches": self.accumulate_grad_batches,
@@ -99,19 +116,37 @@ class Estimate:
         }
 
     def table(self) -> str:
-        """Plain text: per phase of the steady step, peak, allocated and categories; then closed-form figures."""
+        """Plain text: per phase of the steady step, peak, allocated and categories; then closed-form figures.
+
+        Under gradient accumulation each micro-batch of the step is a block labelled ``micro-batch i/n``. The last
+        line is the peak of all estimated steps, naming its step (and the shown step's own peak where they differ).
+        """
         step = self.steady_step
-        out = [f"estimate (step {step}, steady state): {self.describe()}"]
-        out.extend(_phase_lines([r for r in self.records if r.step == step]))
+        first = min((r.step for r in self.records), default=0)
+        out = [f"estimate (rows of step {step}, steady state): {self.describe()}"]
+        rows = [r for r in self.records if r.step == step]
+        out.extend(_phase_lines(_micro_batches(rows, self.accumulate_grad_batches)))
         out.append("")
         out.extend(_closed_form_lines(self.category_bytes(), self.closed_form))
-        record = self.peak_record
-        where = f" (in the stretch ending at {record.phase.value}, step {record.step})" if record is not None else ""
-        out.append(f"peak: {format_bytes(self.peak_bytes)} ({self.peak_bytes:,} B){where}")
+        out.append(self._peak_line(step, first, rows))
         return "\n".join(out)
 
+    def _peak_line(self, step: int, first: int, rows: list[PhaseRecord]) -> str:
+        record = self.peak_record
+        steps = f"step {step}" if first == step else f"steps {first}-{step}"
+        line = f"peak of {steps}: {format_bytes(self.peak_bytes)} ({self.peak_bytes:,} B)"
+        if record is None:
+            return line
+        line += f" in step {record.step}, in the stretch ending at {record.phase.value}"
+        if record.step != step:
+            own = max((r.peak_bytes for r in rows), default=0)
+            line += f"; step {step} (shown above) peaks at {format_bytes(own)} ({own:,} B)"
+        return line
+
     def describe(self) -> str:
-        parts = [self.device, self.precision, self.optimizer]
+        """One line: device, precision, optimizer, batch and options."""
+        optimizer = f"{self.optimizer} ({self.optimizer_detail})" if self.optimizer_detail else self.optimizer
+        parts = [self.device, self.precision, optimizer]
         if self.batch_size is not None:
             parts.append(f"batch {self.batch_size}" + (f" x {self.seq_len} tokens" if self.seq_len else ""))
         if self.accumulate_grad_batches > 1:
@@ -121,24 +156,46 @@ class Estimate:
         return ", ".join(parts)
 
 
-def _phase_lines(rows: list[PhaseRecord]) -> list[str]:
-    """Aligned columns: phase, peak, allocated and each category, a rule under the header."""
+def _micro_batches(rows: list[PhaseRecord], accumulate: int) -> list[tuple[str, list[PhaseRecord]]]:
+    """The rows of one step in blocks, one per micro-batch (``batch_idx``), labelled where there are several."""
+    blocks: dict[int, list[PhaseRecord]] = {}
+    for record in rows:
+        blocks.setdefault(record.batch_idx, []).append(record)
+    if len(blocks) <= 1:
+        return [("", rows)]
+    total = max(len(blocks), accumulate)
+    return [
+        (f"micro-batch {index}/{total} (batch_idx {batch_idx})", block)
+        for index, (batch_idx, block) in enumerate(sorted(blocks.items()), start=1)
+    ]
+
+
+def _phase_lines(blocks: list[tuple[str, list[PhaseRecord]]]) -> list[str]:
+    """Aligned columns: phase, peak, allocated and each category, a rule under the header; a label line above each
+    labelled block."""
     cats = list(Category)
     header = ["phase", "peak", "allocated", *[c.value for c in cats]]
-    lines = [header]
-    for r in rows:
-        values = r.category_bytes()
-        lines.append(
-            [
-                r.phase.value,
-                format_bytes(r.peak_bytes),
-                format_bytes(r.allocated_bytes),
-                *[format_bytes(values[c]) for c in cats],
-            ]
-        )
-    widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
+    lines: list[list[str] | str] = [header]
+    for label, rows in blocks:
+        if label:
+            lines.append(label)
+        for r in rows:
+            values = r.category_bytes()
+            lines.append(
+                [
+                    r.phase.value,
+                    format_bytes(r.peak_bytes),
+                    format_bytes(r.allocated_bytes),
+                    *[format_bytes(values[c]) for c in cats],
+                ]
+            )
+    cells = [row for row in lines if isinstance(row, list)]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
     out = []
     for index, row in enumerate(lines):
+        if isinstance(row, str):
+            out.append(row)
+            continue
         out.append(
             "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
         )

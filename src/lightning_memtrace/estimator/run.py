@@ -106,6 +106,7 @@ def estimate(
         device=target.type,
         precision=precision.value,
         optimizer=type(optimizer).__name__,
+        optimizer_detail=_optimizer_detail(optimizer),
         batch_size=batch_size,
         seq_len=seq_len,
         accumulate_grad_batches=accumulate,
@@ -242,6 +243,16 @@ def _build_optimizer(
     if lightning and not getattr(model, "automatic_optimization", True):
         raise ValueError("manual optimization is not supported by the estimate: use automatic optimization")
     return optimizer
+
+
+def _optimizer_detail(optimizer: torch.optim.Optimizer) -> str:
+    """What the class name leaves out and memory depends on: SGD's momentum (a buffer per parameter, or none)."""
+    if type(optimizer).__name__ != "SGD":
+        return ""
+    momenta = sorted({float(g.get("momentum", 0) or 0) for g in optimizer.param_groups})
+    if not any(momenta):
+        return "no momentum, no state"
+    return "momentum " + "/".join(f"{m:g}" for m in momenta)
 
 
 def _use_cuda_defaults(optimizer: torch.optim.Optimizer) -> None:
