@@ -6,18 +6,18 @@ Order of a batch: batch_start, forward, zero_grad (set_to_none), backward, optim
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from lightning_memtrace.capture.recorder import MemoryRecorder
 from lightning_memtrace.estimator.fake import fake_batch
 from lightning_memtrace.estimator.inputs import Precision
 from lightning_memtrace.estimator.meta_recorder import meta_recorder
-from lightning_memtrace.capture.recorder import MemoryRecorder
 from lightning_memtrace.types import PhaseRecord
-
 
 #: How a plain module's batch reaches it, said in every error of the default training step.
 PLAIN_MODULE_HINT = (
@@ -138,34 +138,27 @@ def run_steps(
     return list(recorder.records)
 
 
+@dataclasses.dataclass(eq=False)
 class LightningLoop:
     """One training batch as Lightning's automatic optimization runs it, with the recorder's rows at its hooks."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        recorder: MemoryRecorder,
-        device: torch.device,
-        precision: Precision,
-        accumulate: int,
-        lightning: bool,
-        training_step: Callable[[nn.Module, Any], Any] | None,
-    ) -> None:
-        self.model = model
-        self.optimizer = optimizer
-        self.recorder = recorder
-        self.device = device
-        self.precision = precision
-        self.accumulate = accumulate
-        self.lightning = lightning
-        self.step_fn = training_step or default_training_step
-        self.global_step = 0
-        self.scale: Tensor | None = None  # GradScaler's scale, alive from the first backward on (16-mixed)
-        self.batch: Any = None
-        self.batch_idx = 0
-        # Lightning's ClosureResult: the loss and whatever training_step returned beside it, alive until the batch ends.
-        self.result: dict[str, Any] = {}
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    recorder: MemoryRecorder
+    device: torch.device
+    precision: Precision
+    accumulate: int
+    lightning: bool
+    training_step: Callable[[nn.Module, Any], Any] | None
+    global_step: int = 0
+    scale: Tensor | None = None  # GradScaler's scale, alive from the first backward on (16-mixed)
+    batch: Any = None
+    batch_idx: int = 0
+    # Lightning's ClosureResult: the loss and whatever training_step returned beside it, alive until the batch ends.
+    result: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.step_fn = self.training_step or default_training_step
 
     def clear(self) -> None:
         self.batch = None
