@@ -52,10 +52,12 @@ def _module_adders() -> list[SubcommandAdder]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``memtrace`` parser with every subcommand: built-in, listed in :data:`SUBCOMMAND_MODULES`, registered."""
-    from lightning_memtrace import __version__
+    import lightning_memtrace
 
+    # A package object without the attribute (a benchmark's stand-in for the lazy package) still gets a parser.
+    version = getattr(lightning_memtrace, "__version__", "unknown")
     parser = Parser(prog=PROG, description="Read PyTorch memory snapshots and MemTrace logs.")
-    parser.add_argument("--version", action="version", version=f"{PROG} (lightning_memtrace) {__version__}")
+    parser.add_argument("--version", action="version", version=f"{PROG} (lightning_memtrace) {version}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     report.add_subcommand(subparsers)
     summary.add_subcommand(subparsers)
