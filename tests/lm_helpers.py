@@ -151,3 +151,23 @@ def trainer(tmp_path, callbacks, **kwargs) -> pl.Trainer:
     )
     defaults.update(kwargs)
     return pl.Trainer(**defaults)
+
+
+def record_plain_loop(model: nn.Module, optimizer, folder, steps: int, batch_size: int, **recorder_kwargs):
+    """A plain PyTorch loop of ``steps`` steps (random batches of ``batch_size`` rows, squared-output loss) under a
+    ``MemoryRecorder`` writing into ``folder``; returns the stopped recorder."""
+    from lightning_memtrace import MemoryRecorder
+
+    features = next(m for m in model.modules() if isinstance(m, nn.Linear)).in_features
+    with MemoryRecorder(model, [optimizer], output_dir=folder, **recorder_kwargs) as recorder:
+        for step in range(steps):
+            x = torch.randn(batch_size, features)
+            recorder.begin_batch(x, step=step)
+            loss = model(x).square().mean()
+            recorder.mark_forward_done()
+            loss.backward()
+            recorder.mark_backward_done()
+            optimizer.step()
+            optimizer.zero_grad()
+            recorder.end_batch()
+    return recorder

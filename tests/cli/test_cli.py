@@ -218,22 +218,12 @@ def test_summary_of_a_log_folder_with_only_the_csv(tmp_path: Path, capsys: pytes
 
 def _recorded_run(folder: Path, width: int) -> Path:
     torch = pytest.importorskip("torch")
-    from lightning_memtrace import MemoryRecorder
+    from lm_helpers import record_plain_loop
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, width), torch.nn.GELU(), torch.nn.Linear(width, 64))
     optimizer = torch.optim.AdamW(model.parameters())
-    with MemoryRecorder(model, [optimizer], output_dir=folder, history_skip_steps=1, history_steps=2) as recorder:
-        for step in range(4):
-            x = torch.randn(16, 64)
-            recorder.begin_batch(x, step=step)
-            loss = model(x).square().mean()
-            recorder.mark_forward_done()
-            loss.backward()
-            recorder.mark_backward_done()
-            optimizer.step()
-            optimizer.zero_grad()
-            recorder.end_batch()
+    record_plain_loop(model, optimizer, folder, 4, 16, history_skip_steps=1, history_steps=2)
     snapshots = sorted(folder.rglob("snapshot_rank0_*.pickle"))
     if not snapshots:
         pytest.skip("the recorder wrote no snapshot")

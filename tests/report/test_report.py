@@ -374,27 +374,14 @@ def test_nothing_written_for_bad_input(tmp_path: Path) -> None:
 def test_real_memtrace_recorder_output(tmp_path: Path) -> None:
     """End to end on what MemTrace's recorder writes (CPU tracker): recorded categories, figures agree with its CSV."""
     torch = pytest.importorskip("torch")
-    try:
-        from lightning_memtrace.capture.recorder import MemoryRecorder
-    except ImportError:  # pragma: no cover - the recorder is another part of the package
-        pytest.skip("MemoryRecorder unavailable")
+    from lm_helpers import record_plain_loop
     from lightning_memtrace.analysis.phases import load_phases
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.GELU(), torch.nn.Linear(256, 128))
     optimizer = torch.optim.AdamW(model.parameters())
     out = tmp_path / "run"
-    with MemoryRecorder(model, [optimizer], output_dir=out, history_skip_steps=1, history_steps=2) as recorder:
-        for step in range(4):
-            x = torch.randn(32, 128)
-            recorder.begin_batch(x, step=step)
-            loss = model(x).square().mean()
-            recorder.mark_forward_done()
-            loss.backward()
-            recorder.mark_backward_done()
-            optimizer.step()
-            optimizer.zero_grad()
-            recorder.end_batch()
+    record_plain_loop(model, optimizer, out, 4, 32, history_skip_steps=1, history_steps=2)
     snapshots = sorted(out.rglob("snapshot_rank0_*.pickle"))
     if not snapshots:
         pytest.skip("the recorder wrote no snapshot")

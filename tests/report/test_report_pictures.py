@@ -125,24 +125,14 @@ def test_figure_labels_and_peak_do_not_collide() -> None:
 
 def test_log_folder_report_is_titled_by_run(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
-    from lightning_memtrace import MemoryRecorder
+    from lm_helpers import record_plain_loop
     from lightning_memtrace.report import write_report
     from lightning_memtrace.report.page import run_name
 
     folder = tmp_path / "lightning_logs" / "version_3" / "memtrace"
     model = torch.nn.Linear(32, 32)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with MemoryRecorder(model, [optimizer], output_dir=folder, history_skip_steps=1, history_steps=1) as recorder:
-        for step in range(3):
-            x = torch.randn(8, 32)
-            recorder.begin_batch(x, step=step)
-            loss = model(x).square().mean()
-            recorder.mark_forward_done()
-            loss.backward()
-            recorder.mark_backward_done()
-            optimizer.step()
-            optimizer.zero_grad()
-            recorder.end_batch()
+    record_plain_loop(model, optimizer, folder, 3, 8, history_skip_steps=1, history_steps=1)
     for path in (folder, folder.parent):
         assert run_name(path) == "lightning_logs/version_3"
         page = write_report(path, tmp_path / "r.html").read_text(encoding="utf-8")

@@ -10,7 +10,8 @@ import pytest
 import torch
 from test_report import external_loads, summary_json
 
-from lightning_memtrace import MemoryRecorder, cli
+from lm_helpers import record_plain_loop
+from lightning_memtrace import cli
 from lightning_memtrace.analysis.loader import load_snapshot
 from lightning_memtrace.analysis.ranks import RANK_IMBALANCE_PERCENT, rank_imbalance, rank_imbalance_finding
 from lightning_memtrace.analysis.replay import replay
@@ -22,19 +23,7 @@ def _run_rank(folder: Path, rank: int, batch: int, steps: int = 2) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
     optimizer = torch.optim.AdamW(model.parameters())
-    with MemoryRecorder(
-        model, [optimizer], output_dir=folder, rank=rank, history_skip_steps=0, history_steps=1
-    ) as recorder:
-        for step in range(steps):
-            x = torch.randn(batch, 64)
-            recorder.begin_batch(x, step=step)
-            loss = model(x).square().mean()
-            recorder.mark_forward_done()
-            loss.backward()
-            recorder.mark_backward_done()
-            optimizer.step()
-            optimizer.zero_grad()
-            recorder.end_batch()
+    record_plain_loop(model, optimizer, folder, steps, batch, rank=rank, history_skip_steps=0, history_steps=1)
 
 
 @pytest.fixture(scope="module")
