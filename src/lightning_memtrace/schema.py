@@ -34,8 +34,10 @@ def build_header(
     allocated_at_start_bytes: int | None,
     categories: dict[str, int],
     phases: list[dict[str, Any]],
+    run: str = "",
 ) -> dict[str, Any]:
-    """The header of a snapshot covering ``steps`` (first, last); ``phases``: ``{"step", "phase", "time_us"}`` marks."""
+    """The header of a snapshot covering ``steps`` (first, last); ``phases``: ``{"step", "phase", "time_us"}`` marks;
+    ``run``: the run id of the rows the snapshot goes with (the CSV's ``run`` column)."""
     return {
         "format": SNAPSHOT_FORMAT,
         "producer": PRODUCER,
@@ -46,6 +48,7 @@ def build_header(
         "allocated_at_start_bytes": allocated_at_start_bytes,
         "categories": categories,
         "phases": phases,
+        "run": run,
     }
 
 
@@ -58,6 +61,11 @@ def read_header(data: dict[str, Any]) -> dict[str, Any] | None:
 def header_device(header: dict[str, Any] | None, default: str = "") -> str:
     """The device the snapshot was taken on (``"cuda:0"``, ``"cpu"``)."""
     return str((header or {}).get("device", default))
+
+
+def header_run(header: dict[str, Any] | None) -> str:
+    """The run id the snapshot goes with, or ``""`` (not written by MemTrace, or before run ids)."""
+    return str((header or {}).get("run") or "")
 
 
 def header_is_cpu(header: dict[str, Any] | None) -> bool:

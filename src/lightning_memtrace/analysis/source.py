@@ -1,13 +1,20 @@
 """What a report, ``memtrace summary`` and ``memtrace diff`` read: one snapshot file, or every MemTrace file of a log
-folder, replayed."""
+folder, replayed, one :class:`ReportSource` per run.
+
+A folder holds several runs when it is a parent of several log folders (``lightning_logs`` with ``version_0`` and
+``version_1``) or when several fits wrote into one folder (their rows tell them apart by the CSV's ``run`` column,
+their snapshots by the header's ``run``).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import glob
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
@@ -15,7 +22,8 @@ from lightning_memtrace.analysis.loader import DEFAULT_MAX_BYTES, SnapshotError,
 from lightning_memtrace.analysis.model import Replay
 from lightning_memtrace.analysis.phases import load_phases
 from lightning_memtrace.analysis.replay import replay
-from lightning_memtrace.files import MEMTRACE_DIR, SNAPSHOT_PATTERNS, is_oom_file, rank_of
+from lightning_memtrace.files import MEMTRACE_DIR, PHASES_GLOB, SNAPSHOT_PATTERNS, is_oom_file, rank_of
+from lightning_memtrace.schema import header_run
 
 
 @dataclasses.dataclass
@@ -34,14 +42,19 @@ class ReportSource:
     """What a report reads: one snapshot file, or every file of a MemTrace log folder.
 
     Attributes:
-        path: What the user passed.
+        path: What the user passed, or the run's folder when the user passed a parent of several.
         snapshots: Replayed snapshots (may be empty for a log folder with only the phases CSV).
-        phases: MemTrace's phases table, or None.
+        phases: MemTrace's phases table (this run's rows only), or None.
+        run: The run id (the CSV's ``run`` column), or ``""`` when unknown (a snapshot file, older files).
+        label: What the run is called where several are shown: its folder (``lightning_logs/version_1``), with the
+            run id when one folder holds several runs.
     """
 
     path: Path
     snapshots: list[LoadedSnapshot]
     phases: pd.DataFrame | None
+    run: str = ""
+    label: str = ""
 
     @property
     def main(self) -> LoadedSnapshot | None:
@@ -49,10 +62,6 @@ class ReportSource:
         if not self.snapshots:
             return None
         return max(self.snapshots, key=lambda s: s.replay.peak.live_bytes)
-
-
-def _memtrace_dir(path: Path) -> Path:
-    return path / MEMTRACE_DIR if (path / MEMTRACE_DIR).is_dir() else path
 
 
 def _load_oom_text(file: Path) -> str | None:
@@ -69,13 +78,87 @@ def _load_folder_phases(folder: Path) -> pd.DataFrame | None:
         raise SnapshotError(f"{folder}: {error}") from None
 
 
-def load_source(
+def _natural_key(path: Path) -> list[Any]:
+    """``version_2`` before ``version_10``."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", str(path))]
+
+
+def _holds_memtrace_files(folder: Path) -> bool:
+    return any(glob.glob(str(folder / pattern)) for pattern in (PHASES_GLOB, *SNAPSHOT_PATTERNS))
+
+
+def run_folders(path: str | os.PathLike[str]) -> list[Path]:
+    """The MemTrace folders under ``path``: itself (or its ``memtrace`` folder) when it holds MemTrace files, else every
+    ``memtrace`` folder below it that does, in natural order (``version_2`` before ``version_10``)."""
+    target = Path(path)
+    for folder in (target / MEMTRACE_DIR, target):
+        if folder.is_dir() and _holds_memtrace_files(folder):
+            return [folder]
+    found = {Path(p) for p in glob.glob(str(target / "**" / MEMTRACE_DIR), recursive=True)}
+    return sorted((f for f in found if f.is_dir() and _holds_memtrace_files(f)), key=_natural_key)
+
+
+def _folder_files(folder: Path) -> list[Path]:
+    files: set[Path] = set()
+    for pattern in SNAPSHOT_PATTERNS:
+        files.update(Path(p) for p in glob.glob(str(folder / pattern)))
+    return sorted((f for f in files if not f.name.endswith(".tmp")), key=lambda p: ((rank_of(p.name) or 0), p.name))
+
+
+def _load_file(file: Path, max_bytes: int, progress: Callable[[int, int], None] | None) -> LoadedSnapshot:
+    snap = load_snapshot(file, max_bytes=max_bytes, progress=progress)
+    kind = "oom" if is_oom_file(file.name) else "snapshot"
+    text = _load_oom_text(file) if kind == "oom" else None
+    return LoadedSnapshot(file, replay(snap, source=file.name), rank_of(file.name), kind, text)
+
+
+def _runs_in(phases: pd.DataFrame | None) -> list[set[str]]:
+    """The folder's runs, oldest first, each as the run ids its ranks wrote.
+
+    Each rank's file holds its runs one after the other; the k-th run of every rank is one run, whether the ranks
+    shared an id (the callback broadcasts it) or not (plain loops, one recorder per rank).
+    """
+    if phases is None or phases.empty:
+        return []
+    per_rank: list[list[str]] = []
+    for _, rows in phases.groupby("rank", sort=True):
+        firsts = rows.groupby("run", sort=False)["time_s"].min().sort_values()
+        per_rank.append([str(run) for run in firsts.index])
+    count = max(len(runs) for runs in per_rank)
+    return [{runs[k] for runs in per_rank if k < len(runs)} for k in range(count)]
+
+
+def _folder_sources(
+    folder: Path, label: str, max_bytes: int, progress: Callable[[int, int], None] | None
+) -> list[ReportSource]:
+    """One source per run written into ``folder``; snapshots without a known run id go with the newest run."""
+    phases = _load_folder_phases(folder)
+    snapshots = [_load_file(file, max_bytes, progress) for file in _folder_files(folder)]
+    runs = _runs_in(phases)
+    if len(runs) <= 1:
+        return [ReportSource(folder, snapshots, phases, min(runs[0]) if runs else "", label)]
+    assert phases is not None
+
+    def run_of(snapshot: LoadedSnapshot) -> int:
+        run = header_run(snapshot.replay.memtrace)
+        return next((k for k, ids in enumerate(runs) if run in ids), len(runs) - 1)
+
+    sources = []
+    for k, ids in enumerate(runs):
+        own = [s for s in snapshots if run_of(s) == k]
+        rows = phases[phases["run"].isin(ids)].reset_index(drop=True)
+        name = str(rows.loc[rows["rank"].idxmin(), "run"])  # rank zero's id
+        sources.append(ReportSource(folder, own, rows, name, f"{label} · run {name}"))
+    return sources
+
+
+def load_sources(
     path: str | os.PathLike[str],
     *,
     max_bytes: int = DEFAULT_MAX_BYTES,
     progress: Callable[[int, int], None] | None = None,
-) -> ReportSource:
-    """Load a snapshot file, or a MemTrace log folder (``<log_dir>`` or ``<log_dir>/memtrace``).
+) -> list[ReportSource]:
+    """Every run of a snapshot file, a MemTrace log folder, or a parent of several (``lightning_logs``), oldest first.
 
     Args:
         path: Snapshot (pickle, gzip pickle, memory_viz HTML) or folder.
@@ -83,7 +166,7 @@ def load_source(
         progress: Progress callback for large files (see :func:`load_snapshot`).
 
     Returns:
-        The :class:`ReportSource`.
+        One :class:`ReportSource` per run (one for a snapshot file).
 
     Raises:
         SnapshotError: Unreadable input, or a folder without MemTrace files.
@@ -92,23 +175,54 @@ def load_source(
     if not target.exists():
         raise SnapshotError(f"{target}: no such file or directory")
     if not target.is_dir():
-        snap = load_snapshot(target, max_bytes=max_bytes, progress=progress)
-        return ReportSource(target, [LoadedSnapshot(target, replay(snap), rank=rank_of(target.name))], None)
-    folder = _memtrace_dir(target)
-    files: list[Path] = []
-    for pattern in SNAPSHOT_PATTERNS:
-        files.extend(Path(p) for p in glob.glob(str(folder / pattern)))
-    files = sorted(set(files), key=lambda p: ((rank_of(p.name) or 0), p.name))
-    files = [f for f in files if not f.name.endswith(".tmp")]
-    phases = _load_folder_phases(folder)
-    if not files and phases is None:
+        snapshot = LoadedSnapshot(target, replay(load_snapshot(target, max_bytes=max_bytes, progress=progress)))
+        snapshot.rank = rank_of(target.name)
+        return [ReportSource(target, [snapshot], None, header_run(snapshot.replay.memtrace), target.name)]
+    folders = run_folders(target)
+    if not folders:
         raise SnapshotError(
-            f"{target}: a directory without MemTrace files (phases_rank<R>.csv, snapshot_rank<R>_*.pickle)"
+            f"{target}: a directory without MemTrace files (phases_rank<R>.csv, snapshot_rank<R>_*.pickle), "
+            "here or in any memtrace folder below it"
         )
-    snapshots = []
-    for file in files:
-        snap = load_snapshot(file, max_bytes=max_bytes, progress=progress)
-        kind = "oom" if is_oom_file(file.name) else "snapshot"
-        text = _load_oom_text(file) if kind == "oom" else None
-        snapshots.append(LoadedSnapshot(file, replay(snap, source=file.name), rank_of(file.name), kind, text))
-    return ReportSource(target, snapshots, phases)
+    sources = []
+    for folder in folders:
+        sources.extend(_folder_sources(folder, run_label(folder, target), max_bytes, progress))
+    if len(folders) == 1:  # what the user passed names the run (a report's title, the JSON's source)
+        for source in sources:
+            source.path = target
+    return sources
+
+
+def run_label(folder: Path, root: Path) -> str:
+    """A run folder as the user knows it: relative to what they passed (``version_1``), else the logger's
+    ``<name>/version_<n>``; never ``memtrace``."""
+    run = folder.parent if folder.name == MEMTRACE_DIR else folder
+    try:
+        relative = run.resolve().relative_to(root.resolve())
+    except ValueError:
+        relative = None
+    if relative is not None and str(relative) not in ("", "."):
+        return relative.as_posix()
+    resolved = run.resolve()
+    if resolved.name.startswith("version_") and resolved.parent.name:
+        return f"{resolved.parent.name}/{resolved.name}"
+    return resolved.name or str(run)
+
+
+def load_source(
+    path: str | os.PathLike[str],
+    *,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    progress: Callable[[int, int], None] | None = None,
+) -> ReportSource:
+    """The one run of a snapshot file or a MemTrace log folder (see :func:`load_sources`).
+
+    Raises:
+        SnapshotError: Unreadable input, a folder without MemTrace files, or a folder holding several runs (the
+            message names them: pass one).
+    """
+    sources = load_sources(path, max_bytes=max_bytes, progress=progress)
+    if len(sources) > 1:
+        names = ", ".join(s.label for s in sources[:6]) + (" …" if len(sources) > 6 else "")
+        raise SnapshotError(f"{path}: holds {len(sources)} runs ({names}); pass one run's folder")
+    return sources[0]

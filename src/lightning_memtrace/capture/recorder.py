@@ -149,7 +149,7 @@ class MemoryRecorder:
         self.outputs = RecorderFiles(self.output_dir, rank, self.config.max_rows, self.config.max_snapshots, self._warn)
         self.rows = RowReader(self.device, self.categories, self.saved, self.tracker, self.counters)
         self.window = HistoryWindow(
-            self.config, self.device, rank, self.tracker, self.outputs, self.rows.classify, self._sync, self._warn
+            self.config, self.device, rank, self.tracker, self.outputs, self.rows.classify, self._sync, self._warn, self.run_id
         )
         self.oom = OomCapture(
             self.device, rank, self.tracker, self.outputs, self.window, self.rows.classify, self._sync, self._where

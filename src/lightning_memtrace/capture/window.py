@@ -46,6 +46,7 @@ class HistoryWindow:
         classify: Names the live storages now (for the header's category totals).
         sync: Takes in the allocator's reports so far.
         warn: Called once per kind of problem with ``(kind, message)``.
+        run_id: The run the snapshots go with (put in the header).
     """
 
     config: RecorderConfig
@@ -56,6 +57,7 @@ class HistoryWindow:
     classify: Callable[[], Classified]
     sync: Callable[[], None]
     warn: Callable[[str, str], None]
+    run_id: str = ""
     _first_step: int | None = dataclasses.field(default=None, init=False)
     _open: tuple[int, int, int] | None = dataclasses.field(default=None, init=False)  # (first, last step, time_us)
     _start_allocated: int = dataclasses.field(default=0, init=False)
@@ -149,6 +151,7 @@ class HistoryWindow:
             phases=[
                 {"step": step, "phase": phase, "time_us": t} for step, phase, t in self.phase_marks if t >= since_us
             ],
+            run=self.run_id,
         )
 
     def write_snapshot(self, step: int, name: str | None = None) -> Path | None:

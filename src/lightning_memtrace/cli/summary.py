@@ -144,18 +144,15 @@ def findings_table(findings: list[Any]) -> Any:
     return table
 
 
-def run(args: argparse.Namespace) -> int:
+def print_source(out: Any, source: Any, sites: int) -> None:
+    """One run's tables: the peak, categories, sites, ranks, per-phase peaks and findings."""
     from lightning_memtrace.analysis.findings import compute_findings, compute_findings_phases_only
     from lightning_memtrace.analysis.ranks import add_rank_finding, rank_overview
-    from lightning_memtrace.analysis.source import load_source
     from lightning_memtrace.analysis.view import snapshot_view
 
-    with progress() as callback:
-        source = load_source(args.path, progress=callback, **loader_kwargs(args))
-    out = console()
     main = source.main
     if main is not None:
-        view = snapshot_view(main, max_sites=args.sites)
+        view = snapshot_view(main, max_sites=sites)
         findings = compute_findings(main.replay, source.phases)
         for table in (info_table(view), categories_table(view), sites_table(view, out.width)):
             out.print(table)
@@ -172,4 +169,20 @@ def run(args: argparse.Namespace) -> int:
     if source.phases is not None:
         out.print(phases_table(source.phases))
     out.print(findings_table(findings))
+
+
+def run(args: argparse.Namespace) -> int:
+    from lightning_memtrace.analysis.source import load_sources
+
+    with progress() as callback:
+        sources = load_sources(args.path, progress=callback, **loader_kwargs(args))
+    out = console()
+    if len(sources) > 1:
+        out.print(f"{args.path}: {len(sources)} runs, oldest first", markup=False)
+    for source in sources:
+        if len(sources) > 1:
+            from rich.markup import escape
+
+            out.rule(escape(f"run: {source.label}"), characters="=")
+        print_source(out, source, args.sites)
     return 0

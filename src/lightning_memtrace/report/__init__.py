@@ -16,10 +16,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lightning_memtrace.analysis.loader import DEFAULT_MAX_BYTES
-from lightning_memtrace.analysis.source import load_source
+from lightning_memtrace.analysis.source import load_sources
 from lightning_memtrace.atomic import atomic_write_text
 from lightning_memtrace.report.figure import DEFAULT_MAX_POINTS
-from lightning_memtrace.report.page import render_html
+from lightning_memtrace.report.page import render_html, render_runs_html, run_name
 
 __all__ = ["DEFAULT_MAX_POINTS", "render_html", "write_report"]
 
@@ -38,8 +38,9 @@ def write_report(
     Nothing is written when the source cannot be read.
 
     Args:
-        source_path_or_dir: A snapshot file (pickle, gzip pickle, memory_viz HTML), or a log folder (``<log_dir>`` or
-            ``<log_dir>/memtrace``).
+        source_path_or_dir: A snapshot file (pickle, gzip pickle, memory_viz HTML), a log folder (``<log_dir>`` or
+            ``<log_dir>/memtrace``), or a parent of several (``lightning_logs``): several runs get one page, an index
+            and a section per run (the PNG is the newest run's).
         html_path: Where to write the HTML (parent folders are created).
         png_path: Where to write the PNG, or None.
         max_bytes: Size limit per snapshot file.
@@ -52,6 +53,10 @@ def write_report(
     Raises:
         SnapshotError: The source is not readable.
     """
-    source = load_source(source_path_or_dir, max_bytes=max_bytes, progress=progress)
-    page = render_html(source, max_points=max_points, png_path=png_path)
+    sources = load_sources(source_path_or_dir, max_bytes=max_bytes, progress=progress)
+    if len(sources) == 1:
+        page = render_html(sources[0], max_points=max_points, png_path=png_path)
+    else:
+        title = run_name(Path(source_path_or_dir))
+        page = render_runs_html(sources, title, max_points=max_points, png_path=png_path)
     return atomic_write_text(html_path, page)

@@ -39,9 +39,11 @@ class _Page:
     findings: list[Finding]
     include_js: Any = True
     config: dict[str, Any] = dataclasses.field(default_factory=lambda: {"displaylogo": False, "responsive": True})
+    #: Put before every chart's element id, so that several runs' charts share a page.
+    id_prefix: str = ""
 
     def chart(self, fig: Any, div_id: str) -> str:
-        html = chart_html(fig, self.include_js, self.config, div_id)
+        html = chart_html(fig, self.include_js, self.config, self.id_prefix + div_id)
         self.include_js = False
         return html
 
@@ -249,23 +251,20 @@ def run_name(path: Path) -> str:
     return folder.name
 
 
-def _header(source: ReportSource, findings: list[Finding]) -> str:
+def _header(source: ReportSource, findings: list[Finding], title: str) -> str:
     main = source.main
     items = "".join(f'<li class="{esc(f.severity)}">{esc(f.message)}</li>' for f in findings) or "<li>No finding.</li>"
     return (
-        f"<h1>Memory report: {esc(run_name(source.path))}</h1>"
-        f'<div class="meta">{esc(str(source.path))} · {len(source.snapshots)} snapshot(s)'
+        title
+        + f'<div class="meta">{esc(str(source.path))} · {len(source.snapshots)} snapshot(s)'
         + (f" · {main.replay.num_segments:,} segments · {main.replay.num_events:,} events" if main else "")
         + "</div>"
         f'<h2>Findings</h2><ul class="findings">{items}</ul>'
     )
 
 
-def render_html(
-    source: ReportSource, *, max_points: int = DEFAULT_MAX_POINTS, png_path: str | os.PathLike[str] | None = None
-) -> str:
-    """The report page for a source (see :func:`~lightning_memtrace.report.write_report`)."""
-    page = _Page(sections=[], summary={"source": str(source.path)}, findings=[])
+def _fill(page: _Page, source: ReportSource, max_points: int, png_path: str | os.PathLike[str] | None) -> None:
+    """Every section of one run, and its findings in the JSON summary."""
     main = source.main
     if main is not None:
         _snapshot_sections(page, main, source, max_points, png_path)
@@ -274,11 +273,65 @@ def render_html(
     _rank_sections(page, source, max_points)
     page.sections += _other_sections(source)
     page.summary["findings"] = [{"code": f.code, "message": f.message} for f in page.findings]
+
+
+def _document(title: str, body: str, summary: dict[str, Any]) -> str:
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
-        f"<title>memtrace report: {esc(run_name(source.path))}</title><style>{CSS}</style></head><body>"
-        + _header(source, page.findings)
-        + "".join(page.sections)
-        + f'<script type="application/json" id="memtrace-summary">{summary_json(page.summary)}</script>'
+        f"<title>memtrace report: {esc(title)}</title><style>{CSS}</style></head><body>"
+        + body
+        + f'<script type="application/json" id="memtrace-summary">{summary_json(summary)}</script>'
         + "</body></html>\n"
     )
+
+
+def render_html(
+    source: ReportSource, *, max_points: int = DEFAULT_MAX_POINTS, png_path: str | os.PathLike[str] | None = None
+) -> str:
+    """The report page for a source (see :func:`~lightning_memtrace.report.write_report`)."""
+    page = _Page(sections=[], summary={"source": str(source.path)}, findings=[])
+    _fill(page, source, max_points, png_path)
+    name = run_name(source.path)
+    body = _header(source, page.findings, f"<h1>Memory report: {esc(name)}</h1>") + "".join(page.sections)
+    return _document(name, body, page.summary)
+
+
+def _runs_index(sources: list[ReportSource]) -> str:
+    rows = []
+    for index, source in enumerate(sources):
+        main = source.main
+        peak = main.replay.peak.live_bytes if main is not None else None
+        if peak is None and source.phases is not None and not source.phases.empty:
+            peak = int(source.phases["peak_bytes"].max())
+        steps = "" if source.phases is None or source.phases.empty else f"{source.phases['step'].nunique():,}"
+        rows.append(
+            f'<tr><td><a href="#run-{index}">{esc(source.label)}</a></td><td>{esc(source.run)}</td>'
+            f'<td class="num">{steps}</td><td class="num">{len(source.snapshots)}</td>'
+            f'<td class="num">{esc(format_bytes_exact(peak)) if peak is not None else ""}</td></tr>'
+        )
+    head = "".join(f"<th>{h}</th>" for h in ("run folder", "run id", "steps", "snapshots", "peak"))
+    return f'<h2 id="runs">Runs</h2><table id="runs-table"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>'
+
+
+def render_runs_html(
+    sources: list[ReportSource],
+    title: str,
+    *,
+    max_points: int = DEFAULT_MAX_POINTS,
+    png_path: str | os.PathLike[str] | None = None,
+) -> str:
+    """One page for several runs (a parent of several log folders): an index, then each run's report in its own
+    section, oldest first; the PNG (if asked for) is the newest run's timeline."""
+    include_js: Any = True
+    parts = [f"<h1>Memory report: {esc(title)} ({len(sources)} runs)</h1>", _runs_index(sources)]
+    summaries = []
+    for index, source in enumerate(sources):
+        summary = {"source": str(source.path), "run": source.run, "label": source.label}
+        page = _Page(sections=[], summary=summary, findings=[], include_js=include_js, id_prefix=f"run{index}-")
+        _fill(page, source, max_points, png_path if index == len(sources) - 1 else None)
+        include_js = page.include_js
+        heading = f'<h1 class="run-title">Run: {esc(source.label)}</h1>'
+        parts.append(f'<section id="run-{index}" class="run">{_header(source, page.findings, heading)}')
+        parts.append("".join(page.sections) + "</section>")
+        summaries.append(page.summary)
+    return _document(title, "".join(parts), {"source": title, "runs": summaries})
