@@ -29,9 +29,10 @@ class Sharded(pl.LightningModule):
 
     def configure_model(self) -> None:
         mesh = self.device_mesh["data_parallel"]
-        for layer in self.net:
-            if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer, mesh=mesh)
+        first, last = self.net[0], self.net[2]
+        fully_shard(first, mesh=mesh)
+        # kept gathered from forward to backward: its full parameters are alive at the after_forward row
+        fully_shard(last, mesh=mesh, reshard_after_forward=False)
         fully_shard(self.net, mesh=mesh)
 
     def training_step(self, batch, batch_idx):

@@ -190,7 +190,9 @@ def test_two_runs_into_one_folder_are_told_apart(tmp_path):
     assert phases.groupby("run").size().to_dict() == {runs[0]: 10, runs[1]: 10}
     assert (phases[phases.run == runs[1]].step.tolist()) == [0] * 5 + [1] * 5
     with open(tmp_path / "mt" / "phases_rank0.csv") as handle:
-        assert handle.readline().rstrip("\n").split(",")[-1] == "run"
+        assert handle.readline().rstrip("\n").split(",")[-3:] == [
+            "run", "unsharded_parameters_bytes", "unsharded_gradients_bytes"
+        ]
 
 
 def test_plain_loop_recorders_get_their_own_run(tmp_path):

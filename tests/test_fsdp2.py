@@ -39,3 +39,14 @@ def test_fsdp2_two_ranks_stay_on_and_count_their_local_shards(tmp_path):
         assert (stepped.gradients_bytes == held["gradients"]).all()
         assert (stepped.optimizer_state_bytes == held["optimizer_state"]).all()
         assert (rows.allocated_bytes >= rows.parameters_bytes + rows.optimizer_state_bytes).all()
+        # the last layer stays gathered from forward to backward (reshard_after_forward=False): at after_forward its
+        # full parameters, padded to 2 rows per rank, are alive: weight 4 x 65 and bias 4, float32
+        forward = rows.phase == "after_forward"
+        assert (rows[forward].unsharded_parameters_bytes == (4 * 65 + 4) * 4).all()
+        assert (rows[~forward].unsharded_parameters_bytes == 0).all()
+        assert (rows.unsharded_gradients_bytes == 0).all()  # reduce-scattered before every row
+    # the report's findings say what resharding after forward would change
+    from lightning_memtrace.analysis.findings import phase_findings
+
+    finding = next(f for f in phase_findings(phases) if f.code == "reshard_after_forward")
+    assert finding.numbers["unsharded_parameters_bytes"] == 1056 and "reshard_after_forward=True" in finding.message

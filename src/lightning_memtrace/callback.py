@@ -86,12 +86,15 @@ class MemTrace(Callback):
     - ``other_bytes``: allocated minus the categories above, never negative
     - ``run``: the fit's id (UTC start time and a random suffix, the same on every rank, kept on resume): fits
       written into one folder are told apart by it
+    - ``unsharded_parameters_bytes``, ``unsharded_gradients_bytes``: FSDP2's gathered full parameters (padded) and
+      their full gradients before the reduce-scatter (local shards stay in the columns above); 0 unsharded
 
     **Logged metrics** reach every logger of the Trainer the way those of Lightning's built-in callbacks do: through
     the Trainer's logger connector (each logger gets ``log_metrics(metrics=..., step=...)``, then ``save()``), at the
     step Lightning logs its own metrics at (the count of batches that stepped), one call per logged step. Values are
     in MiB (1024-based), ``_max_rank`` excepted. Counters: ``allocated``, ``reserved``, ``peak``, ``parameters``,
-    ``gradients``, ``optimizer_state``, ``activations``, ``inputs``, ``other``.
+    ``gradients``, ``optimizer_state``, ``activations``, ``inputs``, ``other``, ``unsharded_parameters``,
+    ``unsharded_gradients``.
 
     - ``memtrace/<phase>/<counter>`` (MiB) for the training phases ``batch_start`` to ``batch_end``: at
       ``on_train_batch_end`` of the batches after which Lightning logs its own step metrics (every

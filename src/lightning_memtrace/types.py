@@ -114,16 +114,25 @@ class Category(TextEnum):
     INPUTS = "inputs"
     ACTIVATIONS = "activations"
     OTHER = "other"
+    #: Full parameters gathered from their shards (FSDP2's all-gather outputs), alive between the all-gather and
+    #: the reshard; 0 on an unsharded run.
+    UNSHARDED_PARAMETERS = "unsharded_parameters"
+    #: Full gradients of unsharded parameters, before their reduce-scatter into the sharded gradients.
+    UNSHARDED_GRADIENTS = "unsharded_gradients"
 
 #: Categories computed from storages, in the priority order used when a storage could be in two.
 MEASURED_CATEGORIES = (
     Category.PARAMETERS,
     Category.GRADIENTS,
     Category.OPTIMIZER_STATE,
+    Category.UNSHARDED_PARAMETERS,
+    Category.UNSHARDED_GRADIENTS,
     Category.INPUTS,
     Category.ACTIVATIONS,
 )
 
+#: Categories that only sharded training fills: tables of an unsharded run leave them out.
+SHARDED_CATEGORIES = (Category.UNSHARDED_PARAMETERS, Category.UNSHARDED_GRADIENTS)
 
 
 class InferredCategory(TextEnum):
@@ -139,6 +148,8 @@ CATEGORIES: tuple[str, ...] = (
     Category.PARAMETERS.value,
     Category.OPTIMIZER_STATE.value,
     Category.GRADIENTS.value,
+    Category.UNSHARDED_PARAMETERS.value,
+    Category.UNSHARDED_GRADIENTS.value,
     Category.INPUTS.value,
     Category.ACTIVATIONS.value,
     InferredCategory.INTERMEDIATES.value,
@@ -154,6 +165,8 @@ CATEGORY_LABELS: dict[str, str] = {
     "parameters": "parameters",
     "optimizer_state": "optimizer state",
     "gradients": "gradients",
+    "unsharded_parameters": "unsharded parameters",
+    "unsharded_gradients": "unsharded gradients",
     "inputs": "inputs",
     "activations": "activations",
     "intermediates": "intermediates",
@@ -189,6 +202,10 @@ class PhaseRecord:
     #: Which run the row belongs to (runs writing into one folder, or one CSV, are told apart by it); a resumed
     #: run keeps its id.
     run: str = ""
+    #: Sharded training (FSDP2): the gathered full parameters and their full gradients alive at the row (the local
+    #: shards stay in ``parameters_bytes`` and ``gradients_bytes``); 0 on an unsharded run.
+    unsharded_parameters_bytes: int = 0
+    unsharded_gradients_bytes: int = 0
 
     @classmethod
     def columns(cls) -> list[str]:

@@ -46,6 +46,10 @@ _ADVICE = {
     "gradients": "sharding gradients (FSDP / ZeRO-2), lower-precision gradients or freezing layers lowers it",
     "optimizer_intermediates": "a fused optimizer (fused=True) or foreach=False avoids these temporary copies",
     "intermediates": "fusing operations (torch.compile) or in-place ops lowers these temporaries",
+    "unsharded_parameters": "reshard_after_forward=True on each fully_shard-ed block frees them after each block's "
+    "forward (one more all-gather per block in backward)",
+    "unsharded_gradients": "they are reduce-scattered into the sharded gradients as each block's backward ends; "
+    "accumulating without gradient sync keeps them whole",
     "inputs": "a smaller batch, or moving data to the device one batch at a time, lowers it",
     "pre_existing": "it was allocated before recording began: start recording earlier to see what it is",
     "other": "look at the largest allocation sites below",
@@ -291,6 +295,32 @@ def compute_findings(replay: Replay, phases: pd.DataFrame | None = None, max_sit
     return out
 
 
+#: Gathered parameters below this share of a row's allocated bytes get no finding.
+RESHARD_MIN_SHARE = 0.05
+
+
+def reshard_finding(phases: pd.DataFrame) -> list[Finding]:
+    """What ``reshard_after_forward`` would change, when gathered (unsharded) parameters hold a real share of a row."""
+    column = "unsharded_parameters_bytes"
+    if column not in phases or not len(phases) or int(phases[column].max()) <= 0:
+        return []
+    shares = phases[column] / phases["allocated_bytes"].clip(lower=1)
+    row = phases.loc[shares.idxmax()]
+    held, allocated = int(row[column]), int(row["allocated_bytes"])
+    if held < RESHARD_MIN_SHARE * allocated:
+        return []
+    message = (
+        f"gathered (unsharded) parameters hold {format_bytes(held)} ({held:,} B, {percent(held, allocated):.0f}% of "
+        f"the {format_bytes(allocated)} allocated) at {row['phase']} of step {int(row['step'])} (rank "
+        f"{int(row['rank'])}): they stay whole from forward to backward, as for a block fully_shard-ed with "
+        "reshard_after_forward=False (and for the root module, which FSDP2 keeps gathered for backward); with "
+        f"reshard_after_forward=True on each block they are freed after its forward, up to {format_bytes(held)} less "
+        "from forward to backward, for one more all-gather per block in backward"
+    )
+    numbers = {"unsharded_parameters_bytes": held, "allocated_bytes": allocated, "phase": str(row["phase"])}
+    return [Finding("reshard_after_forward", message, Severity.WARNING, numbers)]
+
+
 def phase_findings(phases: pd.DataFrame) -> list[Finding]:
     """Findings from MemTrace's per-phase table: the phase with the highest peak and its composition."""
     out: list[Finding] = []
@@ -313,7 +343,7 @@ def phase_findings(phases: pd.DataFrame) -> list[Finding]:
             {"peak_bytes": peak, "step": int(row["step"]), "phase": str(row["phase"]), "rank": int(row["rank"])},
         )
     )
-    return out
+    return out + reshard_finding(phases)
 
 
 def compute_findings_phases_only(phases: pd.DataFrame) -> list[Finding]:

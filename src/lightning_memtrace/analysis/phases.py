@@ -12,6 +12,8 @@ from lightning_memtrace.files import MEMTRACE_DIR, PHASES_GLOB, rank_of
 from lightning_memtrace.types import BYTE_COLUMNS, PHASE_COLUMNS, PHASE_ORDER
 
 INT_COLUMNS = ["step", "epoch", "batch_idx", "rank", *BYTE_COLUMNS]
+#: Columns added after the first release, with the value a CSV written before them means.
+LATER_COLUMNS = {"unsharded_parameters_bytes": 0, "unsharded_gradients_bytes": 0}
 
 
 def _phase_files(path: str | os.PathLike) -> list[Path]:
@@ -48,6 +50,9 @@ def load_phases(path_or_log_dir: str | os.PathLike) -> pd.DataFrame:
         frame = pd.read_csv(file, on_bad_lines="skip")
         if "run" not in frame.columns:  # a CSV from before run ids: its folder tells its run apart
             frame["run"] = str(file.parent)
+        for column, value in LATER_COLUMNS.items():
+            if column not in frame.columns:
+                frame[column] = value
         missing = [c for c in PHASE_COLUMNS if c not in frame.columns]
         if missing:
             raise ValueError(f"{file} is not a MemTrace phases CSV: missing columns {missing}")

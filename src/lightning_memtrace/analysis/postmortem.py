@@ -52,30 +52,51 @@ def _stage_text(stage: str) -> str:
         return stage
 
 
+#: A category below this share of live memory gets no advice: changing it could not make the run fit.
+ADVICE_MIN_SHARE = 0.05
+
+
 def advice(pm: PostMortem) -> list[str]:
-    """What to change, with the numbers that point there."""
+    """What to change, with the numbers that point there; only for what holds at least :data:`ADVICE_MIN_SHARE` of
+    live memory."""
     tips: list[str] = []
     total = max(1, sum(pm.categories.values()))
     share = {name: value / total for name, value in pm.categories.items()}
+
+    def holds(category: Category, usual: float) -> bool:
+        """A real share of live memory: ``usual`` or more, or enough to matter in the stage that allocates it."""
+        value = share.get(category.value, 0)
+        return value >= usual or value >= ADVICE_MIN_SHARE and pm.stage == _STAGE_OF[category]
+
     if pm.requested_bytes and pm.allocated_bytes and pm.requested_bytes > 4 * max(pm.allocated_bytes, 1):
         tips.append(
             f"The failed request alone ({format_bytes(pm.requested_bytes)}) is over 4x everything live "
             f"({format_bytes(pm.allocated_bytes)}): look first at the line that asked for it ('failed at' above); a shape or "
             "dtype there is likely wrong, or one tensor (logits of a large vocabulary?) should be chunked."
         )
-    if share.get(Category.ACTIVATIONS.value, 0) >= 0.3 or pm.stage == Stage.FORWARD.value:
+    if holds(Category.ACTIVATIONS, 0.3):
         tips.append(
             f"Activations saved for backward hold {format_bytes(pm.categories.get('activations', 0))}: turn on "
             "gradient checkpointing, lower the micro-batch (keep the effective batch with accumulate_grad_batches), "
             "or shorten the sequence."
         )
-    if share.get(Category.OPTIMIZER_STATE.value, 0) >= 0.3 or pm.stage == Stage.OPTIMIZER_STEP.value:
+    if holds(Category.OPTIMIZER_STATE, 0.3):
         tips.append(
             f"Optimizer state holds {format_bytes(pm.categories.get('optimizer_state', 0))}: an 8-bit or "
             "factored optimizer, a sharded strategy (FSDP / DeepSpeed ZeRO) or fewer trainable parameters "
             "(LoRA) lowers it; foreach=False lowers the optimizer step's temporaries."
         )
-    if pm.categories.get(Category.GRADIENTS.value, 0) and pm.stage in (Stage.FORWARD.value, Stage.BACKWARD.value):
+    if share.get(Category.UNSHARDED_PARAMETERS.value, 0) >= ADVICE_MIN_SHARE:
+        tips.append(
+            f"Gathered (unsharded) parameters hold {format_bytes(pm.categories[Category.UNSHARDED_PARAMETERS.value])}: "
+            "fully_shard each repeated block with reshard_after_forward=True (the default; the root keeps its own "
+            "gathered until backward), so that each block's full parameters are freed after its forward and "
+            "gathered again in backward (one more all-gather per block)."
+        )
+    if share.get(Category.GRADIENTS.value, 0) >= ADVICE_MIN_SHARE and pm.stage in (
+        Stage.FORWARD.value,
+        Stage.BACKWARD.value,
+    ):
         tips.append(
             f"Gradients ({format_bytes(pm.categories['gradients'])}) are alive during this step's "
             f"{'forward' if pm.stage == Stage.FORWARD.value else 'backward'}: Lightning zeroes them after the forward."
@@ -89,6 +110,9 @@ def advice(pm: PostMortem) -> list[str]:
     if not tips:
         tips.append("Lower the micro-batch size or use a precision with fewer bytes per value (bf16-mixed).")
     return tips
+
+
+_STAGE_OF = {Category.ACTIVATIONS: Stage.FORWARD.value, Category.OPTIMIZER_STATE: Stage.OPTIMIZER_STEP.value}
 
 
 def render_post_mortem(pm: PostMortem) -> str:

@@ -11,7 +11,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from lightning_memtrace.analysis.frames import format_frame, user_frame
-from lightning_memtrace.types import Category, category_label
+from lightning_memtrace.types import SHARDED_CATEGORIES, Category, category_label
 from lightning_memtrace.units import percent
 
 if TYPE_CHECKING:
@@ -159,9 +159,14 @@ def _block_where(block: LiveBlock, device: str) -> str:
 
 
 def post_mortem_view(pm: PostMortem) -> MemoryView:
-    """The view at an out-of-memory error: every category in order, the largest live blocks."""
+    """The view at an out-of-memory error: every category in order (the sharded ones where they hold memory), the
+    largest live blocks."""
     total = pm.allocated_bytes
-    by_category = {c.value: int(pm.categories.get(c.value, 0)) for c in Category}
+    by_category = {
+        c.value: int(pm.categories.get(c.value, 0))
+        for c in Category
+        if c not in SHARDED_CATEGORIES or pm.categories.get(c.value, 0)
+    }
     sites = [
         SiteRow(_block_where(b, pm.device), "", b.category, b.nbytes, 1, percent(b.nbytes, total), b.metadata)
         for b in pm.largest

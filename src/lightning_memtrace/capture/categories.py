@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_memtrace.capture import torch_private
 from lightning_memtrace.capture.storages import (
     PLAIN_TENSORS,
     iter_tensors,
@@ -96,8 +97,9 @@ class SavedTensorsRecorder:
 class CategoryCounter:
     """Assigns every storage it can name to one category, on one device, and sums their bytes.
 
-    Priority when a storage is in two places: parameters, gradients, optimizer state, inputs, activations. So a
-    weight that autograd saves for backward stays a parameter, and a batch tensor saved for backward stays an input.
+    Priority when a storage is in two places: parameters, gradients, optimizer state, unsharded parameters and
+    gradients (FSDP2), inputs, activations. So a weight that autograd saves for backward stays a parameter (a gathered
+    one an unsharded parameter), and a batch tensor saved for backward stays an input.
     """
 
     def __init__(self, device: torch.device, model: nn.Module | None = None, optimizers: Sequence[Any] = ()) -> None:
@@ -105,10 +107,20 @@ class CategoryCounter:
         self.model = model
         self.optimizers: list[Any] = list(optimizers)
         self._params: list[Tensor] | None = None
+        self._fsdp_params: list[Any] | None = None
 
     def refresh(self) -> None:
         """Forget the cached parameter list (called once per batch: modules may swap their parameters)."""
         self._params = None
+        self._fsdp_params = None
+
+    def _unsharded(self) -> tuple[list[Tensor], list[Tensor]]:
+        """FSDP2's gathered full parameters and full gradients alive now (none on an unsharded run)."""
+        if self._fsdp_params is None:
+            self._fsdp_params = torch_private.fsdp2_params(self.model)
+        if not self._fsdp_params:
+            return [], []
+        return torch_private.fsdp2_unsharded_tensors(self._fsdp_params)
 
     def parameters(self) -> list[Tensor]:
         if self._params is None:
@@ -161,6 +173,9 @@ class CategoryCounter:
         self._collect((p.grad for p in params if p.grad is not None), out, Category.GRADIENTS)
         for optimizer in self.optimizers:
             self._collect(optimizer_state_tensors(optimizer), out, Category.OPTIMIZER_STATE)
+        unsharded_params, unsharded_grads = self._unsharded()
+        self._collect(unsharded_params, out, Category.UNSHARDED_PARAMETERS)
+        self._collect(unsharded_grads, out, Category.UNSHARDED_GRADIENTS)
         for category, storages in ((Category.INPUTS, inputs), (Category.ACTIVATIONS, saved)):
             for key, storage in (storages or {}).items():
                 if key not in out and storage.device == self.device:

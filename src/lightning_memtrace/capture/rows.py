@@ -57,6 +57,8 @@ def make_record(
         activations_bytes=totals[Category.ACTIVATIONS],
         inputs_bytes=totals[Category.INPUTS],
         other_bytes=max(0, allocated - sum(totals.values())),
+        unsharded_parameters_bytes=totals[Category.UNSHARDED_PARAMETERS],
+        unsharded_gradients_bytes=totals[Category.UNSHARDED_GRADIENTS],
         run=place.run,
     )
 

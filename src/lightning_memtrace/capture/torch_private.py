@@ -319,3 +319,54 @@ def cuda_oom_observer_attacher() -> Callable[[Callable[..., None]], None] | None
     if attach is None or not torch.cuda.is_available():
         return None
     return attach
+
+
+# ----------------------------------------------------------------------------------------------- FSDP2
+def fsdp2_params(model: Any) -> list[Any]:
+    """FSDP2's record of each sharded parameter (``FSDPParam``) of every ``fully_shard``-ed module of ``model``.
+
+    Read from the private state torch keeps on each module (``_get_fsdp_state()._fsdp_param_groups``, or the
+    single ``_fsdp_param_group`` of older versions); ``[]`` where there is none, or where this torch lays it out
+    otherwise (the gathered parameters then go uncounted as their own category, nothing else changes).
+    """
+    if model is None:
+        return []
+    found: list[Any] = []
+    try:
+        for module in model.modules():
+            get_state = getattr(module, "_get_fsdp_state", None)
+            if get_state is None:
+                continue
+            state = get_state()
+            groups = getattr(state, "_fsdp_param_groups", None)
+            if groups is None:
+                group = getattr(state, "_fsdp_param_group", None)
+                groups = [] if group is None else [group]
+            for group in groups:
+                found.extend(getattr(group, "fsdp_params", ()))
+    except Exception:  # a torch whose FSDP2 state differs: no unsharded categories, the rest is measured as before
+        return []
+    return found
+
+
+def fsdp2_unsharded_tensors(fsdp_params: list[Any]) -> tuple[list[Any], list[Any]]:
+    """The gathered full parameters (each ``FSDPParam``'s all-gather outputs and the parameter made of them) and
+    their full gradients (before the reduce-scatter, or accumulated without it) that hold memory now.
+
+    FSDP2 frees a gathered parameter by resizing its storage to 0: such storages are left out, never read further.
+    """
+    params: list[Any] = []
+    grads: list[Any] = []
+    for fsdp_param in fsdp_params:
+        unsharded = getattr(fsdp_param, "_unsharded_param", None)  # made at the first all-gather
+        candidates = list(getattr(fsdp_param, "all_gather_outputs", None) or ())
+        if unsharded is not None:
+            candidates.append(unsharded)
+            if unsharded.grad is not None:
+                grads.append(unsharded.grad)
+        accumulated = getattr(fsdp_param, "unsharded_accumulated_grad", None)
+        if accumulated is not None:
+            grads.append(accumulated)
+        params.extend(t for t in candidates if t.untyped_storage().nbytes() > 0)
+    grads = [g for g in grads if g.untyped_storage().nbytes() > 0]
+    return params, grads

@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any
 
 from lightning_memtrace.estimator.closed_form import ClosedForm
-from lightning_memtrace.types import Category, Phase, PhaseRecord
+from lightning_memtrace.types import SHARDED_CATEGORIES, Category, Phase, PhaseRecord
 from lightning_memtrace.units import format_bytes
 
 
@@ -173,7 +173,10 @@ def _micro_batches(rows: list[PhaseRecord], accumulate: int) -> list[tuple[str, 
 def _phase_lines(blocks: list[tuple[str, list[PhaseRecord]]]) -> list[str]:
     """Aligned columns: phase, peak, allocated and each category, a rule under the header; a label line above each
     labelled block."""
-    cats = list(Category)
+    records = [r for _, rows in blocks for r in rows]
+    cats = [
+        c for c in Category if c not in SHARDED_CATEGORIES or any(r.category_bytes()[c] for r in records)
+    ]
     header = ["phase", "peak", "allocated", *[c.value for c in cats]]
     lines: list[list[str] | str] = [header]
     for label, rows in blocks:

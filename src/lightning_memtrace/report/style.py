@@ -11,6 +11,8 @@ CATEGORY_COLORS: dict[str, str] = {
     "parameters": "#1f77b4",
     "optimizer_state": "#9467bd",
     "gradients": "#d62728",
+    "unsharded_parameters": "#aec7e8",  # the light shade of parameters' blue: full copies of them
+    "unsharded_gradients": "#ff9896",  # the light shade of gradients' red
     "inputs": "#8c564b",
     "activations": "#ff7f0e",
     "intermediates": "#ffbb78",
