@@ -1,6 +1,6 @@
 """A Lightning FSDP2 fit (ModelParallelStrategy, gloo on CPU) with MemTrace; each rank writes what it really holds.
 
-Usage: python fsdp2_run.py OUT_DIR WORLD_SIZE
+Usage: python fsdp2_run.py OUT_DIR WORLD_SIZE [ACCELERATOR]   (cpu by default: gloo; cuda: nccl, one GPU per rank)
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from lightning_memtrace import MemTrace
 from lightning_memtrace.capture.storages import unique_storage_bytes
 
 OUT, WORLD = Path(sys.argv[1]), int(sys.argv[2])
+ACCELERATOR = sys.argv[3] if len(sys.argv) > 3 else "cpu"
 
 
 class Sharded(pl.LightningModule):
@@ -42,7 +43,7 @@ class Sharded(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
     def train_dataloader(self):
-        return torch.utils.data.DataLoader(torch.randn(64, 64), batch_size=8)
+        return torch.utils.data.DataLoader(torch.randn(64, 64), batch_size=8)  # moved to the rank's device by Lightning
 
 
 class LocalBytes(pl.Callback):
@@ -64,7 +65,7 @@ class LocalBytes(pl.Callback):
 
 callback = MemTrace(dirpath=OUT / "memtrace", report=False)
 pl.Trainer(
-    accelerator="cpu", devices=WORLD, strategy=ModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1),
+    accelerator=ACCELERATOR, devices=WORLD, strategy=ModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1),
     max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     callbacks=[callback, LocalBytes()],
 ).fit(Sharded())
