@@ -22,6 +22,8 @@ CPP_LINE = re.compile(
 # Lines that differ between two runs of the same script whatever they do: times, speeds, temporary paths, version
 # folders (a second run writes version_1), progress-bar redraws.
 _VOLATILE = re.compile(r"\d+(\.\d+)?(it/s|s/it)|\d\d:\d\d|/tmp/\S+|version_\d+|\d+\.\d+e?-?\d*|\d+:\d+ ")
+# The process id in glog-style lines (``W1203 14:09:25.537000 14303 torch/utils/_pytree.py:630] ...``).
+_GLOG_PID = re.compile(r"(?<=\d) \d+ (?=\S+\.py:\d+\])")
 # The report of a user's own profiler measures the run, MemTrace's work included: its rows are not compared.
 _PROFILER_TABLE = re.compile(r"%|^-{8,}|Profiler Report|Self CPU|CPU time total")
 
@@ -60,7 +62,7 @@ def _without_memtrace_frames(lines: list[str]) -> list[str]:
 def _normalized(lines: list[str]) -> set[str]:
     # Progress-bar redraws depend on timing: which frames reach the pipe varies from run to run.
     return {
-        _VOLATILE.sub("#", line).strip()
+        _VOLATILE.sub("#", _GLOG_PID.sub(" # ", line)).strip()
         for line in lines
         if "━" not in line and not _PROFILER_TABLE.search(line) and not CPP_LINE.search(line)
     }
