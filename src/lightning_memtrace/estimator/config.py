@@ -95,18 +95,29 @@ def _hub_config(hub_id: str) -> Any:
     return AutoConfig.from_pretrained(hub_id)  # a hub id, the network reachable
 
 
-def build_meta_model(config: str | os.PathLike | Mapping[str, Any]) -> nn.Module:
-    """A Hugging Face causal LM on the meta device, to pass to :func:`estimate_from_config` many times."""
+def build_meta_model(
+    config: str | os.PathLike | Mapping[str, Any], attn_implementation: str | None = None
+) -> nn.Module:
+    """A Hugging Face causal LM on the meta device, to pass to :func:`estimate_from_config` many times.
+
+    Args:
+        config: The Hugging Face config (a dict, a ``config.json``, a folder or a hub id).
+        attn_implementation: ``eager``, ``sdpa``, ``flash_attention_2``... None: what transformers picks for the
+            model, as ``AutoModelForCausalLM.from_config`` does (SDPA for most architectures). The choice is in
+            ``model.config._attn_implementation``.
+    """
     if not TRANSFORMERS_AVAILABLE:
         raise ModuleNotFoundError(str(TRANSFORMERS_AVAILABLE))
     from transformers import AutoModelForCausalLM
 
     hf_config = _hf_config(config)
     hf_config.use_cache = False
+    # Only what the caller asked for: otherwise transformers' own default, the one a user's from_config gets.
+    attention = {"attn_implementation": attn_implementation} if attn_implementation else {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager", dtype=torch.float32)
+            return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, **attention)
 
 
 def estimate_from_config(
