@@ -166,10 +166,12 @@ def attention_label(implementation: str, kernels: list[SdpaKernel], cuda_stand_i
     if not kernels:
         return name
     seen = list(dict.fromkeys(kernels))
-    if cuda_stand_in and SdpaKernel.FLASH in seen:
-        text = "CUDA flash/memory-efficient kernel assumed, CPU flash kernel's saved tensors standing in"
+    if cuda_stand_in:
+        parts = []
+        if SdpaKernel.FLASH in seen:
+            parts.append("CUDA flash/memory-efficient kernel assumed, CPU flash kernel's saved tensors standing in")
         if SdpaKernel.MATH in seen:
-            text += "; math kernel where the flash kernel refused"
-        return f"{name} ({text})"
+            parts.append("math kernel where CPU's flash kernel refused the inputs (CUDA's fused kernels may take them)")
+        return f"{name} ({'; '.join(parts)})"
     kernel_text = " + ".join(k.value for k in seen)
     return f"{name} ({kernel_text} kernel{'s' if len(seen) > 1 else ''})"
