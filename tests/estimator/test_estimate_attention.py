@@ -62,7 +62,7 @@ def test_cuda_target_assumes_a_fused_kernel():
     gpt2 = ARCHITECTURES["gpt2"]
     cuda = estimate_from_config(gpt2, 2, 64, device="cuda")
     cpu = estimate_from_config(gpt2, 2, 64, device="cpu")
-    assert cuda.attention.startswith("sdpa (CUDA flash/memory-efficient kernel assumed")
+    assert cuda.attention == "sdpa (CUDA flash/efficient kernel assumed, sized by CPU's flash kernel)"
     # the CPU math kernel keeps probabilities and a dropout mask per layer that CUDA's kernels do not
     assert cpu.category_bytes()["activations"] - cuda.category_bytes()["activations"] >= 2 * (2 * 4 * 64 * 64 * 4)
     eager = estimate_from_config(gpt2, 2, 64, device="cuda", attn_implementation="eager")

@@ -8,19 +8,26 @@ from __future__ import annotations
 
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-import lightning.pytorch as pl
-
-_LAYERS: dict[str, Any] = dict(num_hidden_layers=2, num_attention_heads=4, vocab_size=1000)
+_LAYERS: dict[str, Any] = {"num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 1000}
 _DECODER: dict[str, Any] = dict(_LAYERS, hidden_size=64, intermediate_size=128, max_position_embeddings=256)
 
 #: Tiny configs, as dicts for ``AutoConfig.for_model``. BERT as a decoder is ``BertLMHeadModel``. Token ids within
 #: the vocabulary where the defaults are not (GPT-2's 50256, Phi-3's 32000).
 ARCHITECTURES: dict[str, dict[str, Any]] = {
-    "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=1000, n_positions=256,
-                 bos_token_id=0, eos_token_id=0),
+    "gpt2": {
+        "model_type": "gpt2",
+        "n_embd": 64,
+        "n_layer": 2,
+        "n_head": 4,
+        "vocab_size": 1000,
+        "n_positions": 256,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+    },
     "llama": dict(_DECODER, model_type="llama", num_key_value_heads=4),
     "mistral": dict(_DECODER, model_type="mistral", num_key_value_heads=2, head_dim=16),
     "qwen2": dict(_DECODER, model_type="qwen2", num_key_value_heads=2),
@@ -29,8 +36,9 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "phi3": dict(_DECODER, model_type="phi3", num_key_value_heads=4, pad_token_id=0, bos_token_id=1, eos_token_id=2),
     "gpt_neox": dict(_DECODER, model_type="gpt_neox"),
     "bert": dict(_DECODER, model_type="bert", is_decoder=True),
-    "opt": dict(_LAYERS, model_type="opt", hidden_size=64, ffn_dim=128, max_position_embeddings=256,
-                word_embed_proj_dim=64),
+    "opt": dict(
+        _LAYERS, model_type="opt", hidden_size=64, ffn_dim=128, max_position_embeddings=256, word_embed_proj_dim=64
+    ),
     "falcon": dict(_LAYERS, model_type="falcon", hidden_size=64, new_decoder_architecture=False, multi_query=True),
 }
 

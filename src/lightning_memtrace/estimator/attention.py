@@ -169,7 +169,7 @@ def attention_label(implementation: str, kernels: list[SdpaKernel], cuda_stand_i
     if cuda_stand_in:
         parts = []
         if SdpaKernel.FLASH in seen:
-            parts.append("CUDA flash/memory-efficient kernel assumed, CPU flash kernel's saved tensors standing in")
+            parts.append("CUDA flash/efficient kernel assumed, sized by CPU's flash kernel")
         if SdpaKernel.MATH in seen:
             parts.append("math kernel where CPU's flash kernel refused the inputs (CUDA's fused kernels may take them)")
         return f"{name} ({'; '.join(parts)})"

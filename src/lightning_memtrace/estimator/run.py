@@ -99,7 +99,16 @@ def estimate(
         prefetch = prefetch and not emulate_cuda and fake_device.type == "cpu"
         with sdpa_watched(cuda_stand_in=emulate_cuda) as kernels:
             records = run_steps(
-                model, optimizer, batch, mode, fake_device, precision, accumulate, steps, lightning, training_step,
+                model,
+                optimizer,
+                batch,
+                mode,
+                fake_device,
+                precision,
+                accumulate,
+                steps,
+                lightning,
+                training_step,
                 prefetch,
             )
     if emulate_cuda:
