@@ -2,6 +2,7 @@
 
 Usage: python benchmarks/estimate_accuracy.py [--batch-size 16] [--seq-len 256] [--precision 32-true]
        [--optimizer adamw] [--configs a.json b.json ...] [--measure-max-params 20e6] [--gpu-max-params 200e6]
+       python benchmarks/estimate_accuracy.py --architectures [gpt2 llama ...] [--attn-implementations default eager]
 
 For each reference config (``shared/reference/configs``: Qwen2.5-1.5B, GPT-2 124M, a tiny Qwen2) it prints:
 
@@ -17,6 +18,12 @@ For each reference config (``shared/reference/configs``: Qwen2.5-1.5B, GPT-2 124
   and its error;
 - ``measured (cuda)``: where CUDA is available, for models up to ``--gpu-max-params``,
   ``torch.cuda.max_memory_allocated`` of a real run beside the CUDA estimate.
+
+With ``--architectures``, the grid instead: eleven tiny architectures (``tests/estimator/tiny_architectures.py``:
+gpt2, llama, mistral, qwen2, gemma, gemma2, phi3, gpt_neox, bert as a decoder, opt, falcon; batch 4 x 128 unless
+given) in fp32 and bf16-mixed, with and without checkpointing, for each attention implementation asked (``default``:
+what transformers picks, as a user's ``from_config``), the CPU estimate beside MemTrace's measurement of a real
+3-step Lightning CPU run (highest ``peak_bytes`` of the rows after the first step) and the error.
 """
 
 from __future__ import annotations
@@ -131,6 +138,96 @@ def measure(config: Path, batch: int, seq: int, precision: str, optimizer: str, 
         return int(load_phases(callback.output_dir).peak_bytes.max())
 
 
+def _grid_row(name: str, precision: str, checkpointing: bool, attention: str | None, batch: int, seq: int) -> dict:
+    """One cell of the architecture grid: the CPU estimate and the real CPU run's peak after the first step."""
+    import lightning.pytorch as pl
+    from tiny_architectures import ARCHITECTURES, ConfigLM
+
+    from lightning_memtrace import MemTrace, load_phases
+    from lightning_memtrace.estimator import estimate_from_config
+
+    config = ARCHITECTURES[name]
+    est = estimate_from_config(
+        config,
+        batch,
+        seq,
+        device="cpu",
+        precision=precision,
+        gradient_checkpointing=checkpointing,
+        steps=3,
+        attn_implementation=attention,
+    )
+    module = ConfigLM(config, batch, seq, gradient_checkpointing=checkpointing, attn_implementation=attention)
+    callback = MemTrace(history=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        pl.Trainer(
+            default_root_dir=tmp,
+            max_steps=3,
+            accelerator="cpu",
+            devices=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            precision=precision,
+            callbacks=[callback],
+        ).fit(module)
+        phases = load_phases(callback.output_dir)
+    measured = int(phases[phases.step >= 1].peak_bytes.max())
+    return {
+        "architecture": name,
+        "precision": precision,
+        "checkpointing": checkpointing,
+        "attention": est.attention,
+        "estimate_cpu": est.peak_bytes,
+        "measured_cpu": measured,
+        "error_cpu_percent": 100 * (est.peak_bytes - measured) / measured,
+    }
+
+
+def architecture_grid(args: argparse.Namespace) -> int:
+    """Every architecture x precision x checkpointing x attention: CPU estimate beside the real CPU run."""
+    sys.path.insert(0, str(ROOT / "tests" / "estimator"))
+    from tiny_architectures import ARCHITECTURES
+
+    names = args.architectures or list(ARCHITECTURES)
+    batch = args.batch_size if args.batch_size_given else 4
+    seq = args.seq_len if args.seq_len_given else 128
+    rows = []
+    for name in names:
+        for attention in args.attn_implementations:
+            for precision in ("32-true", "bf16-mixed"):
+                for checkpointing in (False, True):
+                    implementation = None if attention == "default" else attention
+                    row = _grid_row(name, precision, checkpointing, implementation, batch, seq)
+                    rows.append(row)
+                    print(json.dumps(row), file=sys.stderr, flush=True)
+    print(f"\nbatch {batch} x {seq} tokens, AdamW; estimate (cpu) vs MemTrace on a real CPU run, peak after step 0")
+    header = ["architecture", "attention", "precision", "ckpt", "estimate", "measured", "err"]
+    table = [header] + [
+        [
+            r["architecture"],
+            r["attention"],
+            r["precision"],
+            "yes" if r["checkpointing"] else "no",
+            f"{r['estimate_cpu']:,}",
+            f"{r['measured_cpu']:,}",
+            f"{r['error_cpu_percent']:+.2f}%",
+        ]
+        for r in rows
+    ]
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    for index, line in enumerate(table):
+        print("  ".join(c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths))))
+        if index == 0:
+            print("  ".join("-" * w for w in widths))
+    worst = max((abs(r["error_cpu_percent"]) for r in rows), default=0.0)
+    print(f"largest error: {worst:.2f}%")
+    if args.json is not None:
+        args.json.write_text(json.dumps(rows, indent=2))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--configs", nargs="*", default=[str(CONFIGS / name) for name in DEFAULT_CONFIGS])
@@ -151,7 +248,24 @@ def main(argv: list[str] | None = None) -> int:
         help="measure real CUDA runs (where available) for models up to this many parameters",
     )
     parser.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
+    parser.add_argument(
+        "--architectures",
+        nargs="*",
+        default=None,
+        help="the grid of tiny architectures instead of --configs (all eleven when none is named)",
+    )
+    parser.add_argument(
+        "--attn-implementations",
+        nargs="+",
+        default=["default"],
+        help="with --architectures: 'default' (transformers' pick), eager, sdpa...",
+    )
     args = parser.parse_args(argv)
+    args.batch_size_given = "--batch-size" in (argv if argv is not None else sys.argv)
+    args.seq_len_given = "--seq-len" in (argv if argv is not None else sys.argv)
+    if args.architectures is not None:
+        warnings.filterwarnings("ignore")
+        return architecture_grid(args)
 
     from lightning_memtrace.estimator import build_meta_model, estimate_from_config
     from lightning_memtrace.models import load_config_dict

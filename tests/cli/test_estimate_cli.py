@@ -223,3 +223,27 @@ def test_hub_id_offline_fails_fast_in_one_line(capsys, monkeypatch):
     assert main(["--config", "memtrace-nobody/no-such-model", "--batch-size", "1", "--seq-len", "8"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cannot be reached" in err[0]
+
+
+def test_attention_implementation(capsys, one_layer):
+    argv = ["--config", one_layer, "--batch-size", "2", "--seq-len", "32", "--device", "cpu", "--json"]
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["estimate"]["attention"] == "sdpa (flash kernel)"  # Qwen2's default
+    assert main([*argv, "--attn-implementation", "eager"]) == 0
+    assert json.loads(capsys.readouterr().out)["estimate"]["attention"] == "eager"
+    assert main(argv[:-1]) == 0
+    assert "attention sdpa (flash kernel)" in capsys.readouterr().out.splitlines()[0]  # the table's header
+
+
+def test_unavailable_attention_is_one_line(capsys):
+    pytest.importorskip("transformers")
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("flash_attn is installed")
+    argv = ["--config", TINY, "--batch-size", "1", "--seq-len", "8", "--attn-implementation", "flash_attention_2"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "estimate with 'sdpa'" in err[0] and "cannot read the model config" not in err[0]

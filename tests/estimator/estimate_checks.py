@@ -21,10 +21,10 @@ ONE_LAYER_PARAM_BYTES = 5_002_240  # 1,250,560 parameters, tied embeddings once
 ONE_LAYER_TENSORS = 14
 
 
-def real_run(tmp_path, module, max_steps: int = 3, **kwargs) -> pd.DataFrame:
+def real_run(tmp_path, module, max_steps: int = 3, allocation_backend: str = "dispatch", **kwargs) -> pd.DataFrame:
     # The estimate runs on fake tensors and sees storages; the storage-level (dispatch) tracker measures the same
-    # thing on the real run. The default CPU tracker also counts temporaries inside operators.
-    callback = MemTrace(history=False, allocation_backend="dispatch")
+    # thing on the real run. The default CPU tracker ("auto") also counts temporaries inside operators.
+    callback = MemTrace(history=False, allocation_backend=allocation_backend)
     trainer(tmp_path, [callback], max_steps=max_steps, **kwargs).fit(module)
     return load_phases(callback.output_dir)
 

@@ -34,6 +34,8 @@ OPTIMIZERS = {
     "sgd-plain": "SGD without momentum (no state)",
 }
 PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "bf16-true", "16-true")
+#: ``--attn-implementation`` choices (transformers' names); without the option, transformers' default for the model.
+ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
 #: Options passed through to :func:`~lightning_memtrace.estimator.estimate_from_config` as they are.
 _ESTIMATE_OPTIONS = ("optimizer", "precision", "gradient_checkpointing", "accumulate_grad_batches", "device")
 #: Errors whose message alone is the one line (anything else also names its type).
@@ -59,6 +61,13 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", choices=PRECISIONS, default="32-true", help="Lightning's precision setting")
     parser.add_argument("--gradient-checkpointing", action="store_true", help="non-reentrant activation checkpointing")
     parser.add_argument("--accumulate-grad-batches", type=positive_int, default=1)
+    parser.add_argument(
+        "--attn-implementation",
+        choices=ATTN_IMPLEMENTATIONS,
+        default=None,
+        help="the attention the run uses (default: what transformers picks for the model, SDPA for most); "
+        "the estimate states the SDPA kernel it assumed",
+    )
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="the device to estimate for")
     parser.add_argument(
         "--device-memory",
@@ -111,12 +120,19 @@ def _compute(args: argparse.Namespace) -> tuple[Any, Any]:
     """The estimate to show (None when no batch size fits) and the search (None without ``--find-max-batch``)."""
     import warnings
 
-    from lightning_memtrace.estimator import build_meta_model, estimate_from_config, find_max_batch
+    from lightning_memtrace.estimator import (
+        AttentionUnavailableError,
+        build_meta_model,
+        estimate_from_config,
+        find_max_batch,
+    )
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            model = build_meta_model(args.config)
+            model = build_meta_model(args.config, args.attn_implementation)
+        except AttentionUnavailableError:
+            raise
         except (OSError, ValueError) as error:
             raise ValueError(f"cannot read the model config {args.config!r}: {str(error).splitlines()[0]}") from None
 

@@ -24,6 +24,7 @@ Modules, in the order the data flows:
 - ``inputs``: precision, optimizer names, the batch as tensors or :class:`InputSpec` shapes;
 - ``fake``: modules and batches copied onto fake tensors (the private torch entry points);
 - ``meta_recorder``: MemTrace's recorder counting fake tensors;
+- ``attention``: SDPA's kernel on fake tensors, watched (and, for a CUDA target on CPU, stood in for);
 - ``loop``: Lightning's automatic optimization loop, step for step, with the recorder's rows;
 - ``run``: :func:`estimate` and :func:`estimate_for_module`;
 - ``config``: a Hugging Face causal LM from its config on the meta device, :func:`estimate_from_config`;
@@ -41,13 +42,14 @@ from lightning_memtrace.estimator.compare import (
     comparison_text,
     write_comparison_csv,
 )
-from lightning_memtrace.estimator.config import build_meta_model, estimate_from_config
+from lightning_memtrace.estimator.config import AttentionUnavailableError, build_meta_model, estimate_from_config
 from lightning_memtrace.estimator.inputs import InputSpec, OptimizerName, Precision, lm_batch
 from lightning_memtrace.estimator.result import Estimate
 from lightning_memtrace.estimator.run import estimate, estimate_for_module
 from lightning_memtrace.estimator.search import MaxBatchResult, find_max_batch
 
 __all__ = [
+    "AttentionUnavailableError",
     "ClosedForm",
     "Estimate",
     "InputSpec",

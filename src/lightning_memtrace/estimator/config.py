@@ -95,18 +95,44 @@ def _hub_config(hub_id: str) -> Any:
     return AutoConfig.from_pretrained(hub_id)  # a hub id, the network reachable
 
 
-def build_meta_model(config: str | os.PathLike | Mapping[str, Any]) -> nn.Module:
-    """A Hugging Face causal LM on the meta device, to pass to :func:`estimate_from_config` many times."""
+class AttentionUnavailableError(ValueError):
+    """The attention implementation asked for cannot be built on this machine (flash-attn not installed...)."""
+
+
+def build_meta_model(
+    config: str | os.PathLike | Mapping[str, Any], attn_implementation: str | None = None
+) -> nn.Module:
+    """A Hugging Face causal LM on the meta device, to pass to :func:`estimate_from_config` many times.
+
+    Args:
+        config: The Hugging Face config (a dict, a ``config.json``, a folder or a hub id).
+        attn_implementation: ``eager``, ``sdpa``, ``flash_attention_2``... None: what transformers picks for the
+            model, as ``AutoModelForCausalLM.from_config`` does (SDPA for most architectures). The choice is in
+            ``model.config._attn_implementation``.
+
+    Raises:
+        AttentionUnavailableError: ``attn_implementation`` cannot be built here (e.g. ``flash_attention_2`` without
+            the ``flash_attn`` package).
+    """
     if not TRANSFORMERS_AVAILABLE:
         raise ModuleNotFoundError(str(TRANSFORMERS_AVAILABLE))
     from transformers import AutoModelForCausalLM
 
     hf_config = _hf_config(config)
     hf_config.use_cache = False
+    # Only what the caller asked for: otherwise transformers' own default, the one a user's from_config gets.
+    attention = {"attn_implementation": attn_implementation} if attn_implementation else {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager", dtype=torch.float32)
+            try:
+                return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, **attention)
+            except ImportError as error:
+                raise AttentionUnavailableError(
+                    f"attn_implementation={attn_implementation!r} cannot be built here ({str(error).splitlines()[0]}); "
+                    "for a CUDA target, estimate with 'sdpa': CUDA's fused SDPA kernels save the same tensors as "
+                    "FlashAttention (q, k, v, the output and an fp32 logsumexp)"
+                ) from None
 
 
 def estimate_from_config(
@@ -122,11 +148,15 @@ def estimate_from_config(
     lr: float = 1e-3,
     steps: int = 2,
     model: nn.Module | None = None,
+    attn_implementation: str | None = None,
 ) -> Estimate:
     """Estimate a Hugging Face causal LM from its config alone (a dict, a ``config.json``, a folder or a hub id).
 
     The model is built on the meta device (no weights, no download of weights), trained on ``input_ids`` of shape
-    ``(batch_size, seq_len)`` with ``labels=input_ids``, eager attention.
+    ``(batch_size, seq_len)`` with ``labels=input_ids``, with the attention a user's ``from_config`` gets (SDPA for
+    most architectures) unless ``attn_implementation`` says otherwise. SDPA runs on the kernel the target would run
+    (on CPU the same as a real CPU run; for CUDA, a fused kernel's saved tensors: see
+    :mod:`~lightning_memtrace.estimator.attention`); :attr:`Estimate.attention` states which.
 
     Args:
         config: The Hugging Face config.
@@ -140,11 +170,13 @@ def estimate_from_config(
         device: The device to estimate for (``cuda`` by default).
         lr: Learning rate (it does not change memory).
         steps: Optimizer steps to run.
-        model: A meta model built before (from :func:`build_meta_model`), to reuse across batch sizes.
+        model: A meta model built before (from :func:`build_meta_model`), to reuse across batch sizes; its own
+            attention is kept.
+        attn_implementation: ``eager``, ``sdpa``... for the model built here; None: transformers' default for it.
     """
     name = OptimizerName(str(optimizer).lower())
     precision = Precision.parse(precision)
-    built = model if model is not None else build_meta_model(config)
+    built = model if model is not None else build_meta_model(config, attn_implementation)
 
     def factory(fake_model: nn.Module) -> torch.optim.Optimizer:
         params = [p for p in fake_model.parameters() if p.requires_grad]

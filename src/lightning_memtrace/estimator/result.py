@@ -28,6 +28,9 @@ class Estimate:
         accumulate_grad_batches: Batches per optimizer step.
         gradient_checkpointing: Whether activation checkpointing was on.
         seconds: Wall time the estimate took.
+        attention: The attention the estimate ran and, for SDPA, its kernel (``eager``, ``sdpa (flash kernel)``,
+            ``sdpa (math kernel)``; for a CUDA target estimated on CPU, the CUDA kernel assumed), or empty for a
+            model without attention.
     """
 
     records: tuple[PhaseRecord, ...]
@@ -41,6 +44,7 @@ class Estimate:
     gradient_checkpointing: bool = False
     seconds: float = 0.0
     optimizer_detail: str = ""
+    attention: str = ""
 
     def __repr__(self) -> str:
         """One line, as :meth:`describe` with the peak (the rows are in ``records``, the table in :meth:`table`)."""
@@ -108,6 +112,7 @@ class Estimate:
             "seq_len": self.seq_len,
             "accumulate_grad_batches": self.accumulate_grad_batches,
             "gradient_checkpointing": self.gradient_checkpointing,
+            "attention": self.attention,
             "peak_bytes": self.peak_bytes,
             "phase_peaks": {p.value: v for p, v in self.phase_peaks().items()},
             "categories": {c.value: v for c, v in self.category_bytes().items()},
@@ -153,6 +158,8 @@ class Estimate:
             parts.append(f"accumulate {self.accumulate_grad_batches}")
         if self.gradient_checkpointing:
             parts.append("gradient checkpointing")
+        if self.attention:
+            parts.append(f"attention {self.attention}")
         return ", ".join(parts)
 
 

@@ -1,7 +1,9 @@
 """The estimate of a module: copied onto fake tensors, its optimizer built there, a few training steps measured.
 
 Where the target is CUDA and this machine has no CUDA, the steps run on fake CPU tensors with CUDA's defaults emulated
-(foreach optimizers, ``step`` tensors on the host, not counted); autocast then uses CPU's op lists.
+(foreach optimizers, ``step`` tensors on the host, not counted; SDPA on a fused kernel, CPU's flash kernel standing in
+for CUDA's flash or memory-efficient one: see :mod:`~lightning_memtrace.estimator.attention`); autocast then uses
+CPU's op lists.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_memtrace.estimator.attention import attention_label, attn_implementation, sdpa_watched
 from lightning_memtrace.estimator.closed_form import closed_form
 from lightning_memtrace.estimator.fake import fake_copy, fake_mode, outer_modes_paused
 from lightning_memtrace.estimator.inputs import Precision, batch_dims
@@ -64,8 +67,10 @@ def estimate(
             non-reentrant) before estimating. False leaves the module as it is.
         device: The device to estimate for. Default: the module's device (``meta`` counts as ``cuda``).
             For ``cuda`` on a machine without CUDA, fake CPU tensors stand in: the optimizer uses foreach kernels
-            (CUDA's default), Adam's ``step`` scalars are left out (host memory on CUDA) and autocast follows CPU's
-            op lists.
+            (CUDA's default), Adam's ``step`` scalars are left out (host memory on CUDA), SDPA runs on CPU's flash
+            kernel without dropout (the saved tensors of CUDA's flash or memory-efficient kernel: output and fp32
+            logsumexp, no ``B·H·L²`` probabilities) and autocast follows CPU's op lists. The kernel assumed is
+            stated in :attr:`Estimate.attention`.
         steps: Optimizer steps to run (at least 2: the second is the steady state).
         copy_module: Copy the module onto fake tensors (False: replace the module's own tensors; only for modules
             made for the estimate).
@@ -92,9 +97,20 @@ def estimate(
             _enable_gradient_checkpointing(model)
         optimizer = _build_optimizer(model, mode, target, optimizer_factory, lightning)
         prefetch = prefetch and not emulate_cuda and fake_device.type == "cpu"
-        records = run_steps(
-            model, optimizer, batch, mode, fake_device, precision, accumulate, steps, lightning, training_step, prefetch
-        )
+        with sdpa_watched(cuda_stand_in=emulate_cuda) as kernels:
+            records = run_steps(
+                model,
+                optimizer,
+                batch,
+                mode,
+                fake_device,
+                precision,
+                accumulate,
+                steps,
+                lightning,
+                training_step,
+                prefetch,
+            )
     if emulate_cuda:
         records = _without_host_steps(records, optimizer)
     batch_size, seq_len = batch_dims(batch)
@@ -112,6 +128,7 @@ def estimate(
         accumulate_grad_batches=accumulate,
         gradient_checkpointing=bool(gradient_checkpointing or _checkpointing_on(model)),
         seconds=time.perf_counter() - started,
+        attention=attention_label(attn_implementation(model), kernels, emulate_cuda),
     )
 
 
