@@ -631,3 +631,20 @@ def test_stacks_analysed_once_say_what_each_says(stacks: list[list[int]], events
         assert representatives[group[k]] == lists[k]
     if n:
         assert group[2 * n] == group[0]  # the tuple of the first stack's frames
+
+
+def test_stacks_nested_too_deeply_to_compare_are_analysed_apart() -> None:
+    def nested() -> list[Any]:
+        outer: list[Any] = []
+        inner = outer
+        for _ in range(100_000):
+            inner.append([])
+            inner = inner[0]
+        return outer
+
+    user = {"name": "train", "filename": "/u/t.py", "line": 1}
+    stacks = [[user, user, user, {"name": nested()}, user] for _ in range(2)]  # alike but at the 4th frame
+    trace = [{"action": "alloc", "addr": k, "size": 5, "frames": f} for k, f in enumerate(stacks)]
+    rep = replay({"segments": [], "device_traces": [trace]})
+    assert rep.peak.live_bytes == 10
+    assert list(rep.main.allocations["site"]) == ["/u/t.py:1", "/u/t.py:1"]

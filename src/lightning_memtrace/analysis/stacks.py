@@ -266,6 +266,21 @@ def _fingerprints(stacks: list[list[Any]]) -> np.ndarray:
     return pd.factorize(h)[0].astype(np.int64)
 
 
+def _safe_equal(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except RecursionError:  # frames nested deeper than Python compares (a crafted file): taken as different
+        return False
+
+
+def _equal(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``a[k] == b[k]`` for each ``k``: one C loop, or one comparison at a time where some nest too deeply."""
+    try:
+        return np.fromiter(map(operator.eq, a, b), dtype=bool, count=len(a))
+    except RecursionError:
+        return np.fromiter(map(_safe_equal, a, b), dtype=bool, count=len(a))
+
+
 #: Rounds of comparisons :func:`group_stacks` makes before it gives each stack still unmatched a group of its own.
 _MAX_ROUNDS = 16
 
@@ -299,7 +314,7 @@ def group_stacks(lists: list[Any]) -> tuple[np.ndarray, list[list[Any]]]:
         codes, uniques = pd.factorize(key[pending])
         heads = pending[first_positions(codes, len(uniques))]
         head_of = heads[codes]
-        same = np.fromiter(map(operator.eq, stacks[pending], stacks[head_of]), dtype=bool, count=len(pending))
+        same = _equal(stacks[pending], stacks[head_of])
         same[np.searchsorted(pending, heads)] = True  # a stack is its own group's head (even if it holds a NaN)
         group[pending[same]] = head_of[same]
         heads_found.append(heads)
