@@ -8,7 +8,13 @@ process:
 * ``torch.cuda._memory_viz.trace(data)``: torch's own Python reader (after its ``pickle.load``), with a time limit;
 * ``memtrace report FILE -o OUT.html``: in-process (imports done), and as a command end to end.
 
-usage: python benchmarks/report_speed.py [--events 1000000] [--out build/bench] [--torch-timeout 120]
+With ``--repeat N`` the snapshot is instead the fixture's whole trace N times over (``--repeat 50``: 967,100 events,
+35 million frame references), addresses and times fresh per repetition and each repetition with its own frame lists
+(the frame dicts shared, as torch's snapshots share them, and lists shared within a repetition as in the fixture): the
+shape of a long real recording, where every event has its own list. ``memtrace summary`` is timed on it too.
+
+usage: python benchmarks/report_speed.py [--events 1000000 | --repeat 50] [--out build/bench] [--torch-timeout 120]
+    [--skip-torch] [--summary-only]
 """
 
 from __future__ import annotations
@@ -57,6 +63,11 @@ elif kind == "torch":
         data = pickle.load(f)
     t_loaded = time.perf_counter()
     text = _memory_viz.trace(data)
+elif kind == "summary":
+    import contextlib, io
+    with contextlib.redirect_stdout(io.StringIO()):
+        code = main(["summary", path])
+    assert code == 0
 else:
     code = main(["report", path, "-o", out])
     assert code == 0
@@ -94,6 +105,32 @@ def build_snapshot(events: int, source: Path = FIXTURE) -> dict[str, Any]:
     return data
 
 
+def build_repeated(repeat: int, source: Path = FIXTURE) -> dict[str, Any]:
+    """The fixture's trace ``repeat`` times over: fresh addresses and times per repetition, and per repetition fresh
+    frame lists holding the fixture's frame dicts (lists shared between events within a repetition as they are in the
+    fixture)."""
+    with open(source, "rb") as handle:
+        data = pickle.load(handle)
+    base = data["device_traces"][0]
+    span = base[-1]["time_us"] - base[0]["time_us"] + 1_000
+    trace: list[dict[str, Any]] = []
+    for rep in range(repeat):
+        lists: dict[int, list[Any]] = {}
+        for e in base:
+            entry = dict(e)
+            entry["time_us"] = e["time_us"] + rep * span
+            entry["addr"] = e["addr"] + rep * (1 << 40)
+            frames = e.get("frames")
+            if rep and isinstance(frames, list):
+                copy = lists.get(id(frames))
+                if copy is None:
+                    copy = lists[id(frames)] = list(frames)
+                entry["frames"] = copy
+            trace.append(entry)
+    data["device_traces"] = [trace]
+    return data
+
+
 def _run(kind: str, path: Path, out: Path, timeout: float, command: list[str] | None = None) -> dict[str, Any]:
     """Run one measurement in a fresh interpreter; ``seconds``/``cpu`` exclude interpreter start unless a command."""
     start = time.perf_counter()
@@ -111,7 +148,7 @@ def _run(kind: str, path: Path, out: Path, timeout: float, command: list[str] | 
         )
         args = [sys.executable, "-c", wrapper, *command]
     try:
-        result = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+        result = subprocess.run(args, check=False, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"timeout": timeout, "seconds": float("inf"), "cpu": float("inf"), "rss": 0}
     line = next((x for x in result.stdout.splitlines() if x.startswith("RESULT ")), None)
@@ -141,19 +178,30 @@ def main() -> int:
         help="seconds after which torch's reader is stopped (reported as a lower bound)",
     )
     parser.add_argument("--skip-torch", action="store_true")
+    parser.add_argument("--repeat", type=int, default=None, help="the fixture's trace this many times (see above)")
+    parser.add_argument("--summary-only", action="store_true", help="time pickle.load and memtrace summary only")
     args = parser.parse_args()
     if not FIXTURE.is_file():
         print(f"fixture missing: {FIXTURE}", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
-    snap_path = args.out / f"long_{args.events}.pickle"
     t = time.perf_counter()
-    data = build_snapshot(args.events)
+    if args.repeat is not None:
+        snap_path = args.out / f"long_repeat{args.repeat}.pickle"
+        data = build_repeated(args.repeat)
+    else:
+        snap_path = args.out / f"long_{args.events}.pickle"
+        data = build_snapshot(args.events)
+    events = len(data["device_traces"][0])
+    references = sum(len(e.get("frames") or []) for e in data["device_traces"][0])
     with open(snap_path, "wb") as handle:
         pickle.dump(data, handle)
     del data
     size = snap_path.stat().st_size
-    print(f"built {snap_path.name}: {args.events:,} events, {size / 1e6:.1f} MB ({time.perf_counter() - t:.1f} s)")
+    print(
+        f"built {snap_path.name}: {events:,} events, {references:,} frame references, {size / 1e6:.1f} MB "
+        f"({time.perf_counter() - t:.1f} s)"
+    )
     try:
         load = os.getloadavg()[0]
         print(f"load average {load:.2f} on {os.cpu_count()} CPUs (wall times inflate when other work runs)")
@@ -163,15 +211,23 @@ def main() -> int:
 
     floor = _run("pickle", snap_path, html, 300)
     floor_nogc = _run("pickle_nogc", snap_path, html, 300)
+    summary = _run("summary", snap_path, html, 300)
+    if args.summary_only:
+        print(f"{events:,}-event snapshot:")
+        _row("pickle.load alone (the floor)", floor)
+        _row("pickle.load alone, gc disabled", floor_nogc)
+        _row("memtrace summary, in-process", summary)
+        return 0
     inproc = _run("inprocess", snap_path, html, 300)
     html_size = html.stat().st_size
     lazy = _run("lazy", snap_path, html, 300)
     script = Path(sys.executable).with_name("memtrace")
     cmd = [str(script) if script.exists() else "memtrace", "report", str(snap_path), "-o", str(html)]
     full = _run("command", snap_path, html, 300, command=cmd)
-    print(f"{args.events:,}-event snapshot:")
+    print(f"{events:,}-event snapshot:")
     _row("pickle.load alone (the floor)", floor)
     _row("pickle.load alone, gc disabled", floor_nogc, "(memtrace's loader pauses the gc too)")
+    _row("memtrace summary, in-process", summary)
     _row("memtrace report, in-process", inproc, f"HTML {html_size / 2**20:.1f} MiB")
     _row("memtrace report, command (lazy package)", lazy, "interpreter + imports + report")
     _row("memtrace report, console script", full, "+ lightning_memtrace/__init__ (imports Lightning)")

@@ -149,6 +149,69 @@ def test_other_fixtures_replay() -> None:
     assert mud.peak.index == -1
 
 
+def _two_device_dump_beginning_with_frees() -> dict[str, Any]:
+    """A 2-device dump made of real ones: device 0 is shreyansh26's grad run; device 1 is kkaitlyn111's fullstep
+    whose trace starts two events after its peak (as a ring buffer that dropped the older events would), so it
+    begins with the ``free_completed`` of a 102,400,000 B block allocated before the trace."""
+    grad = load_snapshot(snapshot_fixture("shreyansh26_profile_grad.pkl")).data
+    kk = load_snapshot(snapshot_fixture("kkaitlyn111_memory_files_memory_ctx128_fullstep.pickle")).data
+    peak_row = 19_335  # the fullstep's peak (54,802,667,524 B), an alloc followed by its free_requested
+    segments = [dict(s, device=0) for s in grad["segments"]] + [dict(s, device=1) for s in kk["segments"]]
+    return {
+        **kk,
+        "segments": segments,
+        "device_traces": [grad["device_traces"][0], kk["device_traces"][0][peak_row + 2 :]],
+    }
+
+
+def test_peak_before_the_first_event_is_counted() -> None:
+    """Issue 16, point 1: live bytes before the first event include blocks freed in the trace without an alloc and
+    active blocks of the segments without one; a trace that begins by freeing them peaks before its first event."""
+    data = _two_device_dump_beginning_with_frees()
+    first = data["device_traces"][1][0]
+    assert (first["action"], first["size"]) == ("free_completed", 102_400_000)
+    rep = replay(data)
+    assert sorted(rep.devices) == [0, 1]
+    assert rep.devices[0].peak.live_bytes == 4_434_803_008
+    dev = rep.devices[1]
+    live = dev.timeline["live_bytes"].to_numpy()
+    assert int(live.max()) == 54_700_267_524  # the events alone: 102,400,000 B short
+    assert dev.seed_bytes == 54_802_667_524  # the full run's peak: everything alive two events before the cut
+    assert rep.main.device == 1
+    peak = rep.peak
+    assert peak.live_bytes == 54_802_667_524 and peak.index == -1
+    assert peak.time_us == int(dev.timeline["time_us"].iloc[0])
+    assert sum(peak.by_category.values()) == peak.live_bytes == int(peak.sites["bytes"].sum())
+    # reserved before the first event: the dump-time total less the segments the trace maps
+    assert peak.reserved_bytes == int(dev.timeline["reserved_bytes"].iloc[0]) == 58_280 * 1024**2
+
+
+def test_peak_of_a_trace_that_only_frees() -> None:
+    snap = {
+        "segments": [
+            {
+                "device": 0,
+                "address": 0,
+                "total_size": 8_388_608,
+                "blocks": [
+                    {"address": 0, "size": 3_276_800, "requested_size": 3_276_800, "state": "active_allocated"},
+                    {"address": 4_194_304, "size": 2_097_152, "requested_size": 1_000, "state": "active_allocated"},
+                ],
+            }
+        ],
+        "device_traces": [
+            [
+                {"action": "free_completed", "addr": 8_000_000, "size": 500, "time_us": 5},
+                {"action": "alloc", "addr": 8_000_000, "size": 200, "time_us": 6},
+            ]
+        ],
+    }
+    rep = replay(snap)
+    assert rep.main.seed_bytes == 3_276_800 + 1_000 + 500
+    assert list(rep.main.timeline["live_bytes"]) == [3_277_800, 3_278_000]
+    assert rep.peak.live_bytes == 3_278_300 and rep.peak.index == -1 and rep.peak.time_us == 5
+
+
 # ------------------------------------------------------------------------------------------------ synthetic
 def _frames(*names: tuple[str, str]) -> list[dict[str, Any]]:
     return [{"name": n, "filename": f, "line": i + 1} for i, (n, f) in enumerate(names)]
@@ -382,6 +445,7 @@ def test_replay_matches_reference(trace: list[dict[str, Any]]) -> None:
     dev = rep.main
     assert dev.seed_bytes == seed
     assert dev.timeline["live_bytes"].tolist() == expected
+    assert dev.peak.live_bytes == max([seed, *expected])
     series = dev.category_series()
     if len(trace):
         assert (series.sum(axis=1).to_numpy() == np.asarray(expected)).all()
@@ -481,3 +545,106 @@ def test_site_bytes_never_exceed_their_category_total() -> None:
         assert site["bytes"] <= peak.by_category[site["category"]], site["site"]
     einsum = peak.sites[peak.sites["function"] == "einsum"]
     assert set(einsum["category"]) >= {"activations"} and len(einsum) >= 2
+
+
+def test_pre_existing_sites_split_by_category(tmp_path: Path) -> None:
+    """Issue 16, point 2: allocations older than a MemTrace window are parameters, optimizer state, inputs...; the sites
+    table has one ``<allocated before recording> · <category>`` row per category, so it adds up like the category
+    table."""
+    torch = pytest.importorskip("torch")
+    from lm_helpers import record_plain_loop
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64))
+    optimizer = torch.optim.AdamW(model.parameters())
+    record_plain_loop(model, optimizer, tmp_path, 4, 16, history_skip_steps=1, history_steps=2)
+    rep = replay(load_snapshot(tmp_path / "snapshot_rank0_steps1-2.pickle"))
+    params = (64 * 128 + 128 + 128 * 64 + 64) * 4
+    assert params == 66_304
+    peak = rep.peak
+    assert peak.stage == "optimizer_step"
+    sites = peak.sites
+    pre = sites[sites["function"].str.startswith("<allocated before recording>")]
+    rows = {r["function"]: (r["category"], int(r["bytes"]), int(r["count"])) for _, r in pre.iterrows()}
+    assert rows == {
+        "<allocated before recording> · optimizer state": ("optimizer_state", 2 * params + 4 * 4, 12),
+        "<allocated before recording> · parameters": ("parameters", params, 4),
+        "<allocated before recording> · inputs": ("inputs", 16 * 64 * 4, 1),
+    }
+    live_old = rep.main.live_allocations(peak.index).query("alloc_index < 0")
+    assert int(pre["bytes"].sum()) == int(live_old["size"].sum()) == 203_024
+    # every table adds up: per category, the sites hold exactly the category's bytes
+    assert sites.groupby("category")["bytes"].sum().to_dict() == peak.by_category
+    assert int(sites["bytes"].sum()) == peak.live_bytes
+
+
+def test_pre_existing_site_stays_plain_when_inferred() -> None:
+    rep = replay({"segments": [], "device_traces": [[{"action": "free_completed", "addr": 1, "size": 7}]]})
+    assert list(rep.main.allocations["function"]) == ["<allocated before recording>"]
+    assert list(rep.main.allocations["category"].astype(str)) == ["pre_existing"]
+
+
+_POOL = [
+    {"name": "at::empty", "filename": "??", "line": 0},
+    {"name": "forward", "filename": "/site-packages/torch/nn/modules/linear.py", "line": 117},
+    {"name": "_call_impl", "filename": "/site-packages/torch/nn/modules/module.py", "line": 1},
+    {"name": "step", "filename": "/home/me/train.py", "line": 42},
+    {"name": "backward", "filename": "/site-packages/torch/_tensor.py", "line": 5},
+    {"name": "torch::autograd::Engine::evaluate_function", "filename": "", "line": 0},
+    {"name": "MmBackward0::apply", "filename": "", "line": 0},
+    {"name": "step", "filename": "/site-packages/torch/optim/adamw.py", "line": 9},
+    {"name": 1, "filename": 1.0, "line": True},  # odd values: equal dicts must still say the same
+]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.lists(st.integers(0, 2 * len(_POOL) - 1), max_size=7), max_size=40),
+    st.lists(st.integers(0, 39), max_size=60),
+)
+def test_stacks_analysed_once_say_what_each_says(stacks: list[list[int]], events: list[int]) -> None:
+    """Issue 16, point 3: frame lists are analysed once per distinct content (distinct list objects, and distinct but
+    equal frame dicts, share the analysis); every event still gets what its own stack says."""
+    from lightning_memtrace.analysis.replay import classify_stacks
+    from lightning_memtrace.analysis.stacks import SiteTable, group_stacks
+
+    copies = [dict(f) for f in _POOL]  # equal to the pool's dicts, other objects
+    lists = [[(_POOL + copies)[k] for k in stack] for stack in stacks]
+    lists += [list(x) for x in lists]  # the same stacks again, as other list objects
+    lists.append(tuple(lists[0]) if lists else ())
+    lists.append(None)
+    frames = [lists[k % len(lists)] for k in events]
+    table = SiteTable()
+    stage, site, forced = classify_stacks(frames, len(frames), table)
+    for k, f in enumerate(frames):
+        info = analyze_frames(f if isinstance(f, (list, tuple)) else None)
+        assert (int(stage[k]), table.sites[int(site[k])], int(forced[k])) == (
+            info.stage,
+            info.site,
+            info.forced_category,
+        )
+    group, representatives = group_stacks(lists)
+    n = len(stacks)
+    assert len(group) == len(lists) and (group >= 0).all() and len(representatives) == int(group.max()) + 1
+    for k in range(n):  # a stack and its copy (another list of the same frame dicts) share one analysis
+        assert group[k] == group[k + n]
+        assert representatives[group[k]] == lists[k]
+    if n:
+        assert group[2 * n] == group[0]  # the tuple of the first stack's frames
+
+
+def test_stacks_nested_too_deeply_to_compare_are_analysed_apart() -> None:
+    def nested() -> list[Any]:
+        outer: list[Any] = []
+        inner = outer
+        for _ in range(100_000):
+            inner.append([])
+            inner = inner[0]
+        return outer
+
+    user = {"name": "train", "filename": "/u/t.py", "line": 1}
+    stacks = [[user, user, user, {"name": nested()}, user] for _ in range(2)]  # alike but at the 4th frame
+    trace = [{"action": "alloc", "addr": k, "size": 5, "frames": f} for k, f in enumerate(stacks)]
+    rep = replay({"segments": [], "device_traces": [trace]})
+    assert rep.peak.live_bytes == 10
+    assert list(rep.main.allocations["site"]) == ["/u/t.py:1", "/u/t.py:1"]

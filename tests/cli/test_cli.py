@@ -68,6 +68,29 @@ def test_summary_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert "peak 4.1 GiB (4,434,803,008 B) in forward" in out
 
 
+def test_summary_of_a_trace_that_peaks_before_its_first_event(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 16, point 1: a trace that begins by freeing a block made before recording peaks before its first event."""
+    monkeypatch.setenv("COLUMNS", "200")
+    block = {"address": 0, "size": 3_276_800, "requested_size": 3_276_800, "state": "active_allocated"}
+    snap = {
+        "segments": [{"device": 0, "address": 0, "total_size": 4_194_304, "blocks": [block]}],
+        "device_traces": [
+            [
+                {"action": "free_completed", "addr": 8_000_000, "size": 1_000_000, "time_us": 5},
+                {"action": "alloc", "addr": 8_000_000, "size": 200, "time_us": 6},
+            ]
+        ],
+    }
+    path = tmp_path / "frees_first.pickle"
+    path.write_bytes(pickle.dumps(snap))
+    assert run_main(["summary", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "(4,276,800 B)" in out and "before the first event" in out
+    assert "peak 4.1 MiB (4,276,800 B) before the first event" in out
+
+
 def test_diff_command_shows_the_extra_input(capsys: pytest.CaptureFixture[str]) -> None:
     a = snapshot_fixture("shreyansh26_profile_no_grad.pkl")
     b = snapshot_fixture("shreyansh26_profile_grad.pkl")

@@ -91,7 +91,10 @@ def peak_finding(replay: Replay) -> list[Finding]:
         f"{category_label(c)} {percent(b, total):.0f}% ({format_bytes(b)})"
         for c, b in list(peak.by_category.items())[:3]
     )
-    where = _where(peak.stage, peak.step) if peak.index >= 0 else "at dump time"
+    if peak.index >= 0:
+        where = _where(peak.stage, peak.step)
+    else:
+        where = "before the first event" if len(replay.main.timeline) else "at dump time"
     message = (
         f"peak {format_bytes(total)} ({total:,} B) {where}: {parts}; "
         f"the largest share is {category_label(top_cat)}: "

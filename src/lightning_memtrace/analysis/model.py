@@ -79,19 +79,30 @@ class DeviceReplay:
 
     @cached_property
     def peak(self) -> Peak:
-        """The highest point of ``live_bytes`` (the first one if it is reached several times)."""
+        """The highest point of ``live_bytes`` (the first one if it is reached several times), the state before the
+        first event included: a trace that begins by freeing blocks made before recording can peak before it starts
+        (``index == -1``)."""
         tl = self.timeline
         if len(tl) == 0:
             return self.peak_at(-1)
         live = tl["live_bytes"].to_numpy()
         index = int(np.argmax(live))
+        if int(self.seed_bytes) > int(live[index]):
+            return self.peak_at(-1)
         return self.peak_at(index)
 
     def allocations_reserved_end(self) -> int:
         return int(self.allocations.attrs.get("reserved_end", 0))
 
+    def reserved_start(self) -> int:
+        """Reserved bytes before the first event (the dump-time total when there is no trace)."""
+        if len(self.timeline) == 0:
+            return self.allocations_reserved_end()
+        return int(self.timeline.attrs.get("reserved_start", 0))
+
     def peak_at(self, index: int) -> Peak:
-        """The state at row ``index`` as a :class:`Peak` (``-1``: before the first event)."""
+        """The state at row ``index`` as a :class:`Peak` (``-1``: before the first event, at the first event's time;
+        the dump when there is no trace)."""
         tl = self.timeline
         live = self.live_allocations(index)
         inferred_bytes = int(live["size"][live["inferred"]].sum())
@@ -99,9 +110,9 @@ class DeviceReplay:
             return Peak(
                 self.device,
                 -1,
-                0,
+                int(tl["time_us"].iloc[0]) if len(tl) else 0,
                 int(self.seed_bytes),
-                self.allocations_reserved_end(),
+                self.reserved_start(),
                 "outside",
                 -1,
                 self._breakdown(-1),

@@ -39,14 +39,17 @@ from lightning_memtrace.analysis.stacks import (
     PRE_EXISTING_SITE,
     S_FWD,
     S_OUT,
-    FrameInfo,
+    Site,
     SiteTable,
     analyze_frames,
     analyze_lists,
+    group_stacks,
 )
 from lightning_memtrace.analysis.stages import event_stages, read_tags, smooth_stages
 from lightning_memtrace.schema import header_is_cpu, header_phase_marks
-from lightning_memtrace.types import CATEGORIES, STAGES
+from lightning_memtrace.types import CATEGORIES, STAGES, InferredCategory, category_label
+
+PRE_EXISTING_CATEGORY = InferredCategory.PRE_EXISTING.value
 
 
 @dataclasses.dataclass
@@ -132,13 +135,17 @@ def read_events(
 
 
 def classify_stacks(frames: Any, n: int, table: SiteTable) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Step 2: stage, site and forced category per event, each distinct frame list analysed once."""
-    frame_key, unique_ids = pd.factorize(np.fromiter(map(id, frames), dtype=np.int64, count=n))
-    unique_lists: list[Any] = [frames[i] for i in first_positions(frame_key, len(unique_ids)).tolist()]
-    list_stage, list_site, list_forced = analyze_lists(unique_lists, table)
+    """Step 2: stage, site and forced category per event; each frame list object is looked at once (events share
+    them) and each distinct stack analysed once (list objects of equal content share the analysis)."""
     if not n:
         return np.zeros(0, dtype=np.int8), np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int16)
-    return list_stage[frame_key], list_site[frame_key], list_forced[frame_key]
+    frame_key, unique_ids = pd.factorize(np.fromiter(map(id, frames), dtype=np.int64, count=n))
+    unique_lists: list[Any] = [frames[i] for i in first_positions(frame_key, len(unique_ids)).tolist()]
+    stack_of_list, stacks = group_stacks(unique_lists)
+    del unique_lists
+    stack_stage, stack_site, stack_forced = analyze_lists(stacks, table)
+    stack_key = stack_of_list[frame_key]
+    return stack_stage[stack_key], stack_site[stack_key], stack_forced[stack_key]
 
 
 def _shifted_equal(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -205,16 +212,35 @@ def read_segments(segments: list[dict[str, Any]], device: int, sorted_addrs: np.
     return Segments(candidates, reserved_end, known)
 
 
-def _seed_sites(blocks: list[tuple[int, int, str, list[Any]]], n_pre: int, table: SiteTable) -> tuple[int, np.ndarray]:
-    """Site codes of pre-existing frees (one shared stand-in) and of seeded blocks (their block frames)."""
-    seed = np.empty(len(blocks), dtype=np.int32)
+def _seed_sites(blocks: list[tuple[int, int, str, list[Any]]], table: SiteTable) -> np.ndarray:
+    """Site codes of seeded blocks from their block frames; -1 for those without frames (see :func:`pre_existing_sites`)."""
+    seed = np.full(len(blocks), -1, dtype=np.int32)
     for k, (_, _, _, frames) in enumerate(blocks):
-        info = analyze_frames(frames, table) if frames else FrameInfo(S_OUT, PRE_EXISTING_SITE)
-        seed[k] = table.intern(info.site)
-    pre_code = table.codes.get(PRE_EXISTING_SITE)
-    if pre_code is None and n_pre:
-        pre_code = table.intern(PRE_EXISTING_SITE)
-    return (pre_code if pre_code is not None else 0), seed
+        if frames:
+            seed[k] = table.intern(analyze_frames(frames, table).site)
+    return seed
+
+
+def pre_existing_site(category: int) -> Site:
+    """The stand-in site of allocations older than the trace without a stack, one per category (``<allocated before
+    recording> · parameters``) so that the sites table splits them as the category table does; plain
+    ``<allocated before recording>`` when the category is pre-existing itself (inferred)."""
+    name = CATEGORIES[category] if 0 <= category < len(CATEGORIES) else "other"
+    if name == PRE_EXISTING_CATEGORY:
+        return PRE_EXISTING_SITE
+    return dataclasses.replace(PRE_EXISTING_SITE, function=f"{PRE_EXISTING_SITE.function} · {category_label(name)}")
+
+
+def _fill_pre_existing_sites(site: np.ndarray, category: np.ndarray, table: SiteTable) -> None:
+    """Give the allocations marked -1 in ``site`` their category's stand-in site (in place)."""
+    missing = site < 0
+    if not missing.any():
+        return
+    codes = {int(c): table.intern(pre_existing_site(int(c))) for c in np.unique(category[missing]).tolist()}
+    lookup = np.zeros(max(codes) + 1, dtype=np.int32)
+    for c, code in codes.items():
+        lookup[c] = code
+    site[missing] = lookup[category[missing]]
 
 
 def build_allocations(ev: Events, pairing: Pairing, segs: Segments, table: SiteTable) -> Allocations:
@@ -225,8 +251,8 @@ def build_allocations(ev: Events, pairing: Pairing, segs: Segments, table: SiteT
     a_index = np.concatenate([rows, np.full(n_old, -1, dtype=np.int64)])
     e_index = np.concatenate([pairing.alloc_end, pre, np.full(len(blocks), n, dtype=np.int64)])
     a_size = np.concatenate([ev.size[rows], ev.size[pre], np.array([b[0] for b in blocks], dtype=np.int64)])
-    pre_code, seed_sites = _seed_sites(blocks, len(pre), table)
-    a_site = np.concatenate([ev.site[rows], np.full(len(pre), pre_code, dtype=np.int32), seed_sites]).astype(np.int32)
+    seed_sites = _seed_sites(blocks, table)
+    a_site = np.concatenate([ev.site[rows], np.full(len(pre), -1, dtype=np.int32), seed_sites]).astype(np.int32)
     a_stage = np.concatenate([ev.stage[rows], np.full(n_old, S_OUT, dtype=np.int8)])
     end_clip = np.minimum(e_index, max(n - 1, 0))
     a_stage_end = np.where(e_index < n, ev.stage[end_clip] if n else 0, -1).astype(np.int8)
@@ -239,6 +265,7 @@ def build_allocations(ev: Events, pairing: Pairing, segs: Segments, table: SiteT
     )
     a_inferred = recorded < 0
     a_cat = np.where(a_inferred, inferred, recorded).astype(np.int16)
+    _fill_pre_existing_sites(a_site, a_cat, table)
     return Allocations(a_index, e_index, a_size, a_site, a_stage, a_stage_end, a_step, a_cat, a_inferred)
 
 
@@ -253,17 +280,30 @@ def live_bytes(al: Allocations, n: int) -> tuple[np.ndarray, np.ndarray, int]:
     return delta, seed_bytes + np.cumsum(delta), seed_bytes
 
 
-def reserved_bytes(ev: Events, segs: Segments, header: dict[str, Any] | None) -> tuple[np.ndarray, bool]:
-    """Step 7: reserved bytes per event from segment events, anchored on the dump-time total; and whether known."""
+def _segment_delta(ev: Events) -> np.ndarray:
+    """The change of reserved bytes at each event (segment events only)."""
     seg_delta = np.zeros(ev.n, dtype=np.int64)
     for name, sign in (("segment_alloc", 1), ("segment_map", 1), ("segment_free", -1), ("segment_unmap", -1)):
         m = ev.action == A[name]
         seg_delta[m] = sign * ev.size[m]
+    return seg_delta
+
+
+def reserved_bytes(ev: Events, segs: Segments, header: dict[str, Any] | None) -> tuple[np.ndarray, bool]:
+    """Step 7: reserved bytes per event from segment events, anchored on the dump-time total; and whether known."""
+    seg_delta = _segment_delta(ev)
     known = (segs.known or bool(seg_delta.any())) and not header_is_cpu(header)  # the CPU allocator caches nothing
     if not known:
         return np.zeros(ev.n, dtype=np.int64), False
     start = max(segs.reserved_end - int(seg_delta.sum()), 0)
     return start + np.cumsum(seg_delta), True
+
+
+def reserved_before(ev: Events, reserved: np.ndarray, known: bool) -> int:
+    """Reserved bytes before the first event (0 when unknown or when there is no event)."""
+    if not known or ev.n == 0:
+        return 0
+    return int(reserved[0]) - int(_segment_delta(ev)[0])
 
 
 def event_categories(ev: Events, al: Allocations) -> tuple[np.ndarray, np.ndarray]:
@@ -289,7 +329,8 @@ def _categorical(codes: np.ndarray, names: Any) -> pd.Categorical:
 def timeline_frame(
     ev: Events, al: Allocations, segs: Segments, header: dict[str, Any] | None, table: SiteTable
 ) -> tuple[pd.DataFrame, int, bool]:
-    """Step 9: the timeline table (one row per event); with the seed bytes and whether reserved bytes are known."""
+    """Step 9: the timeline table (one row per event; ``attrs["reserved_start"]``: reserved bytes before the first
+    event); with the seed bytes and whether reserved bytes are known."""
     n = ev.n
     delta, live, seed_bytes = live_bytes(al, n)
     reserved, reserved_known = reserved_bytes(ev, segs, header)
@@ -316,6 +357,7 @@ def timeline_frame(
             "site": site,
         }
     )
+    timeline.attrs["reserved_start"] = reserved_before(ev, reserved, reserved_known)
     return timeline, seed_bytes, reserved_known
 
 

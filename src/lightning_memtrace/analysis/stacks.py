@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import operator
 from collections.abc import Sequence
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -115,12 +117,20 @@ def _native_facts(name: str) -> FrameFacts:
     return (flags, None, None, node, caller)
 
 
+def _text(value: Any) -> str:
+    """A frame's name or file name: text as it is, anything else (None, a number in an odd file) as empty.
+
+    Only text is read so that two equal frame dicts always say the same (``1 == 1.0`` but ``"1" != "1.0"``): equal
+    stacks are then analysed once (:func:`group_stacks`)."""
+    return value if isinstance(value, str) else ""
+
+
 def frame_facts(frame: Any) -> FrameFacts:
     """What one frame says (see :data:`FrameFacts`); a Python frame is a user or a library site by the one rule."""
     if not isinstance(frame, dict):
         return _NO_FACTS
-    name = str(frame.get("name", ""))
-    filename = normalize_path(str(frame.get("filename", "")))
+    name = _text(frame.get("name", ""))
+    filename = normalize_path(_text(frame.get("filename", "")))
     if not filename.endswith(".py"):
         return _native_facts(name)
     site = Site(filename, _line_number(frame.get("line")), name)
@@ -144,12 +154,14 @@ def node_site(node: str) -> Site:
 
 
 class SiteTable:
-    """Sites numbered in order of first sight, and the facts of each frame dict seen (by ``id``)."""
+    """Sites numbered in order of first sight, and the facts of each frame dict seen (by ``id``; the dicts are kept
+    alive with the table, so an ``id`` is never reused while it is in use)."""
 
     def __init__(self) -> None:
         self.sites: list[Site] = []
         self.codes: dict[Site, int] = {}
         self.facts: dict[int, FrameFacts] = {}
+        self._alive: list[Any] = []
 
     def intern(self, site: Site) -> int:
         code = self.codes.get(site)
@@ -162,6 +174,7 @@ class SiteTable:
         facts = self.facts.get(id(frame))
         if facts is None:
             facts = self.facts[id(frame)] = frame_facts(frame)
+            self._alive.append(frame)
         return facts
 
 
@@ -216,6 +229,103 @@ def _unique_frame_facts(
             if candidate is not None:
                 u_sites[kind, k] = table.intern(candidate)
     return u_flags, u_sites
+
+
+def _as_stack(frames: Any) -> list[Any]:
+    """A frame list as :func:`analyze_lists` reads it: a list as it is, a tuple as a list, anything else empty."""
+    if type(frames) is list:
+        return frames
+    return list(frames) if isinstance(frames, (list, tuple)) else []
+
+
+_FP_MUL = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _object_array(values: list[Any]) -> np.ndarray:
+    """A 1-d object array of ``values`` (lists stay list objects, never broadcast)."""
+    return np.fromiter(values, dtype=object, count=len(values))
+
+
+def _fingerprints(stacks: list[list[Any]]) -> np.ndarray:
+    """A code per stack from its length and its first, middle and last frame objects: equal stacks get equal codes;
+    different ones mostly different codes (:func:`group_stacks` compares the stacks anyway)."""
+    m = len(stacks)
+    lengths = np.fromiter(map(len, stacks), dtype=np.int64, count=m)
+    nonempty = np.nonzero(lengths > 0)[0]
+    full = [stacks[i] for i in nonempty.tolist()] if len(nonempty) < m else stacks
+    size = lengths[nonempty]
+    ends = np.fromiter(
+        map(id, itertools.chain.from_iterable(map(itemgetter(0, -1), full))), dtype=np.uint64, count=2 * len(full)
+    )
+    middle = np.fromiter(map(id, map(operator.getitem, full, (size // 2).tolist())), dtype=np.uint64, count=len(full))
+    h = lengths.astype(np.uint64)
+    for ids in (ends[0::2], middle, ends[1::2]):
+        column = np.zeros(m, dtype=np.uint64)
+        column[nonempty] = ids
+        h = (h * _FP_MUL) ^ column
+    return pd.factorize(h)[0].astype(np.int64)
+
+
+def _safe_equal(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except RecursionError:  # frames nested deeper than Python compares (a crafted file): taken as different
+        return False
+
+
+def _equal(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``a[k] == b[k]`` for each ``k``: one C loop, or one comparison at a time where some nest too deeply."""
+    try:
+        return np.fromiter(map(operator.eq, a, b), dtype=bool, count=len(a))
+    except RecursionError:
+        return np.fromiter(map(_safe_equal, a, b), dtype=bool, count=len(a))
+
+
+#: Rounds of comparisons :func:`group_stacks` makes before it gives each stack still unmatched a group of its own.
+_MAX_ROUNDS = 16
+
+
+def group_stacks(lists: list[Any]) -> tuple[np.ndarray, list[list[Any]]]:
+    """Group frame lists of equal content (distinct list objects often hold the same frame dicts in the same order).
+
+    Lists with the same fingerprint (:func:`_fingerprints`) are compared with ``==`` (a C loop that matches identical
+    frame dicts at once) to the first of them; those that differ are compared among themselves the same way, round
+    after round (at most :data:`_MAX_ROUNDS`, then each left is a group of its own). So equal stacks are analysed once
+    however many list objects hold them; equal frame dicts say the same by construction (:func:`frame_facts` reads
+    only text).
+
+    Args:
+        lists: Distinct frame lists (each distinct by identity).
+
+    Returns:
+        ``(group of each list, one representative stack per group)``, groups numbered in order of first list.
+    """
+    m = len(lists)
+    stack_list = lists if set(map(type, lists)) <= {list} else list(map(_as_stack, lists))
+    key = _fingerprints(stack_list) if m else np.zeros(0, dtype=np.int64)
+    stacks = _object_array(stack_list)
+    del stack_list
+    group = np.full(m, -1, dtype=np.int64)
+    pending = np.arange(m, dtype=np.int64)
+    heads_found: list[np.ndarray] = []
+    for _ in range(_MAX_ROUNDS):
+        if not len(pending):
+            break
+        codes, uniques = pd.factorize(key[pending])
+        heads = pending[first_positions(codes, len(uniques))]
+        head_of = heads[codes]
+        same = _equal(stacks[pending], stacks[head_of])
+        same[np.searchsorted(pending, heads)] = True  # a stack is its own group's head (even if it holds a NaN)
+        group[pending[same]] = head_of[same]
+        heads_found.append(heads)
+        pending = pending[~same]
+    if len(pending):  # many different stacks alike at both ends and the middle (a crafted file): one by one
+        group[pending] = pending
+        heads_found.append(pending)
+    heads_all = np.sort(np.concatenate(heads_found)) if heads_found else np.zeros(0, dtype=np.int64)
+    number = np.full(m, -1, dtype=np.int64)
+    number[heads_all] = np.arange(len(heads_all))
+    return number[group], stacks[heads_all].tolist()
 
 
 def analyze_lists(lists: list[Any], table: SiteTable) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -64,6 +64,7 @@ class MemoryView:
         site_count: How many sites there are in all.
         stage: The stage at that moment; ``step``: its step (-1: unknown).
         at_dump_time: The snapshot has no trace: the moment is the dump.
+        before_trace: The moment is before the trace's first event (it begins by freeing blocks made before recording).
         inferred_bytes: Bytes whose category was inferred.
         name, device, events, segments, reserved_known, is_memtrace, inferred: About the snapshot (replays only).
     """
@@ -76,6 +77,7 @@ class MemoryView:
     stage: str
     step: int
     at_dump_time: bool = False
+    before_trace: bool = False
     inferred_bytes: int = 0
     name: str = ""
     device: Any = None
@@ -91,8 +93,10 @@ class MemoryView:
 
     @property
     def moment(self) -> str | None:
-        """``"forward, step 3"``; None at dump time."""
-        return None if self.at_dump_time else f"{self.stage}, step {self.step}"
+        """``"forward, step 3"`` (``"before the first event"``); None at dump time."""
+        if self.at_dump_time:
+            return None
+        return "before the first event" if self.before_trace else f"{self.stage}, step {self.step}"
 
     @property
     def inferred_percent(self) -> float:
@@ -135,7 +139,12 @@ def snapshot_view(loaded: LoadedSnapshot, max_sites: int = DEFAULT_SITES) -> Mem
         "is_memtrace": rep.is_memtrace,
         "inferred": rep.inferred,
     }
-    moment = {"stage": str(peak.stage), "step": int(peak.step), "at_dump_time": peak.index < 0}
+    moment = {
+        "stage": str(peak.stage),
+        "step": int(peak.step),
+        "at_dump_time": peak.index < 0 and dev.num_events == 0,
+        "before_trace": peak.index < 0 and dev.num_events > 0,
+    }
     return MemoryView(
         total_bytes=total,
         reserved_bytes=int(peak.reserved_bytes),
