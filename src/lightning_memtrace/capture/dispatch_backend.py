@@ -7,6 +7,8 @@ history window, and only notes the Python stack of each operator's output for it
 
 from __future__ import annotations
 
+import contextlib
+
 from collections.abc import Callable
 from typing import Any
 
@@ -95,6 +97,7 @@ class DispatchBackend:
         self._cpu_only = state.device_type == "cpu"
         self._frames_into: dict[int, list[Frame]] | None = None
         self._mode: _TrackerMode | None = None
+        self._resizes_seen: contextlib.ExitStack | None = None
 
     def note_frames_into(self, pending: dict[int, list[Frame]]) -> None:
         """Count nothing from now on: note the Python stack of each new output in ``pending``, by address (for the
@@ -112,11 +115,21 @@ class DispatchBackend:
         if self._mode is None:
             self._mode = _TrackerMode(self)
             self._mode.__enter__()
+            # FSDP2 frees and re-allocates its gathered parameters by resizing their storages, which no operator does.
+            self._resizes_seen = contextlib.ExitStack()
+            self._resizes_seen.enter_context(torch_private.fsdp2_storage_resizes(self._refresh_resized))
 
     def stop(self) -> None:
         mode, self._mode = self._mode, None
+        resizes_seen, self._resizes_seen = self._resizes_seen, None
+        if resizes_seen is not None:
+            resizes_seen.close()
         if mode is not None:
             mode.__exit__(None, None, None)
+
+    def _refresh_resized(self, tensor: Tensor) -> None:
+        if self._mode is not None:
+            self._refresh_sizes((tensor,))
 
     def sync(self) -> None:
         """Nothing to take in: every storage is counted as its operator returns."""

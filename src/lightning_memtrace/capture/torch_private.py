@@ -322,6 +322,45 @@ def cuda_oom_observer_attacher() -> Callable[[Callable[..., None]], None] | None
 
 
 # ----------------------------------------------------------------------------------------------- FSDP2
+#: FSDP2's modules that resize storages in place, and the functions they do it with.
+_FSDP2_RESIZERS = (
+    ("torch.distributed.fsdp._fully_shard._fsdp_param", ("alloc_storage", "free_storage")),
+    ("torch.distributed.fsdp._fully_shard._fsdp_param_group", ("alloc_storage", "free_storage")),
+)
+
+
+@contextlib.contextmanager
+def fsdp2_storage_resizes(seen: Callable[[Any], None]) -> Iterator[None]:
+    """Call ``seen(tensor)`` after FSDP2 resizes a tensor's storage in place, while the context is open.
+
+    FSDP2 frees a gathered parameter by resizing its storage to 0 and gathers it again by resizing it back: a call on
+    the storage itself, which no operator (and so no dispatch mode) sees. Its two functions for it are wrapped in the
+    modules that call them, process-wide (nested contexts restore each other in turn); nothing happens where FSDP2 is
+    not imported yet, or names them otherwise.
+    """
+    import sys
+
+    restore: list[tuple[Any, str, Any]] = []
+    for module_name, names in _FSDP2_RESIZERS:
+        module = sys.modules.get(module_name)
+        for name in names:
+            original = getattr(module, name, None) if module is not None else None
+            if not callable(original):
+                continue
+
+            def resize_seen(tensor: Any, _original: Any = original) -> None:
+                _original(tensor)
+                seen(tensor)
+
+            restore.append((module, name, original))
+            setattr(module, name, resize_seen)
+    try:
+        yield
+    finally:
+        for module, name, original in reversed(restore):
+            setattr(module, name, original)
+
+
 def fsdp2_params(model: Any) -> list[Any]:
     """FSDP2's record of each sharded parameter (``FSDPParam``) of every ``fully_shard``-ed module of ``model``.
 

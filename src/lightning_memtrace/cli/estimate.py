@@ -37,7 +37,7 @@ PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "bf16-true", "16-true")
 #: ``--attn-implementation`` choices (transformers' names); without the option, transformers' default for the model.
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
 #: Options passed through to :func:`~lightning_memtrace.estimator.estimate_from_config` as they are.
-_ESTIMATE_OPTIONS = ("optimizer", "precision", "gradient_checkpointing", "accumulate_grad_batches", "device")
+_ESTIMATE_OPTIONS = ("optimizer", "precision", "gradient_checkpointing", "accumulate_grad_batches", "device", "fsdp")
 #: Errors whose message alone is the one line (anything else also names its type).
 _PLAIN_ERRORS = (ValueError, OSError, KeyError, TypeError, ModuleNotFoundError, json.JSONDecodeError)
 
@@ -69,6 +69,14 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         "the estimate states the SDPA kernel it assumed",
     )
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="the device to estimate for")
+    parser.add_argument(
+        "--fsdp",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="shard with FSDP2 over N ranks (each repeated block, then the root), measured on rank 0 with torch's "
+        "fake process group (default 1: unsharded)",
+    )
     parser.add_argument(
         "--device-memory",
         type=bytes_arg,

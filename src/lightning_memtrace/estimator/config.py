@@ -149,6 +149,7 @@ def estimate_from_config(
     steps: int = 2,
     model: nn.Module | None = None,
     attn_implementation: str | None = None,
+    fsdp: int = 1,
 ) -> Estimate:
     """Estimate a Hugging Face causal LM from its config alone (a dict, a ``config.json``, a folder or a hub id).
 
@@ -173,6 +174,7 @@ def estimate_from_config(
         model: A meta model built before (from :func:`build_meta_model`), to reuse across batch sizes; its own
             attention is kept.
         attn_implementation: ``eager``, ``sdpa``... for the model built here; None: transformers' default for it.
+        fsdp: Ranks to shard over with FSDP2 (each decoder layer, then the root); the estimate is rank zero's.
     """
     name = OptimizerName(str(optimizer).lower())
     precision = Precision.parse(precision)
@@ -197,4 +199,5 @@ def estimate_from_config(
         gradient_checkpointing=gradient_checkpointing,
         device=device,
         steps=steps,
+        world_size=fsdp,
     )

@@ -28,6 +28,8 @@ class Estimate:
         accumulate_grad_batches: Batches per optimizer step.
         gradient_checkpointing: Whether activation checkpointing was on.
         seconds: Wall time the estimate took.
+        world_size: Ranks the run is sharded over (1: unsharded); the rows are rank zero's.
+        sharding: How it was sharded, in words (``""`` unsharded).
         attention: The attention the estimate ran and, for SDPA, its kernel (``eager``, ``sdpa (flash kernel)``,
             ``sdpa (math kernel)``; for a CUDA target estimated on CPU, the CUDA kernel assumed), or empty for a
             model without attention.
@@ -45,6 +47,8 @@ class Estimate:
     seconds: float = 0.0
     optimizer_detail: str = ""
     attention: str = ""
+    world_size: int = 1
+    sharding: str = ""
 
     def __repr__(self) -> str:
         """One line, as :meth:`describe` with the peak (the rows are in ``records``, the table in :meth:`table`)."""
@@ -113,6 +117,8 @@ class Estimate:
             "accumulate_grad_batches": self.accumulate_grad_batches,
             "gradient_checkpointing": self.gradient_checkpointing,
             "attention": self.attention,
+            "world_size": self.world_size,
+            "sharding": self.sharding,
             "peak_bytes": self.peak_bytes,
             "phase_peaks": {p.value: v for p, v in self.phase_peaks().items()},
             "categories": {c.value: v for c, v in self.category_bytes().items()},
@@ -160,6 +166,8 @@ class Estimate:
             parts.append("gradient checkpointing")
         if self.attention:
             parts.append(f"attention {self.attention}")
+        if self.world_size > 1:
+            parts.append(f"FSDP2 over {self.world_size} ranks (rank 0)")
         return ", ".join(parts)
 
 

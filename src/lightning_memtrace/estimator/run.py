@@ -8,6 +8,7 @@ CPU's op lists.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 import warnings
@@ -23,6 +24,7 @@ from lightning_memtrace.estimator.fake import fake_copy, fake_mode, outer_modes_
 from lightning_memtrace.estimator.inputs import Precision, batch_dims
 from lightning_memtrace.estimator.loop import run_steps
 from lightning_memtrace.estimator.result import Estimate
+from lightning_memtrace.estimator.sharded import check_world_size, fake_world, shard_like_the_run, sharding_label
 from lightning_memtrace.capture.storages import unique_storages
 from lightning_memtrace.types import Phase, PhaseRecord
 
@@ -40,6 +42,7 @@ def estimate(
     steps: int = 2,
     copy_module: bool = True,
     prefetch: bool = False,
+    world_size: int = 1,
 ) -> Estimate:
     """Estimate the memory of training ``module`` on ``batch`` by running real steps on fake tensors.
 
@@ -76,6 +79,8 @@ def estimate(
             made for the estimate).
         prefetch: Keep the next batch alive during each step, as Lightning's fetcher does for a data loader without
             a length (an iterable dataset) on CPU. Sized loaders are not prefetched.
+        world_size: Above 1, the run is sharded with FSDP2 over that many ranks (each repeated block, then the root,
+            ``fully_shard``-ed over torch's fake process group in this process) and rank zero is measured.
 
     Returns:
         An :class:`Estimate` with the callback's rows for every estimated batch and the closed-form figures.
@@ -88,13 +93,16 @@ def estimate(
     emulate_cuda = target.type == "cuda" and fake_device.type != "cuda"
     lightning = _is_lightning_module(module)
 
+    world_size = check_world_size(world_size)
+    world = fake_world(world_size, fake_device.type) if world_size > 1 else contextlib.nullcontext()
     mode = fake_mode()
-    with warnings.catch_warnings(), outer_modes_paused():
+    with warnings.catch_warnings(), outer_modes_paused(), world as mesh:
         warnings.simplefilter("ignore")
         model = fake_copy(module, mode, fake_device, precision.param_dtype, in_place=not copy_module)
         model.train()
         if gradient_checkpointing:
             _enable_gradient_checkpointing(model)
+        blocks = shard_like_the_run(model, mesh) if mesh is not None else 0
         optimizer = _build_optimizer(model, mode, target, optimizer_factory, lightning)
         prefetch = prefetch and not emulate_cuda and fake_device.type == "cpu"
         with sdpa_watched(cuda_stand_in=emulate_cuda) as kernels:
@@ -123,6 +131,8 @@ def estimate(
         precision=precision.value,
         optimizer=type(optimizer).__name__,
         optimizer_detail=_optimizer_detail(optimizer),
+        world_size=world_size,
+        sharding=sharding_label(world_size, blocks),
         batch_size=batch_size,
         seq_len=seq_len,
         accumulate_grad_batches=accumulate,

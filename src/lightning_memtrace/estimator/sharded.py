@@ -1,0 +1,79 @@
+"""The estimate of a sharded run: FSDP2 over N ranks, measured on one rank in this process.
+
+torch's ``fake`` process group stands in for the other ranks (its collectives return at once; torchtitan's
+``scripts/estimate/estimation.py`` estimates its models the same way): the fake-tensor copy of the module is
+``fully_shard``-ed as a real run would be (each repeated block, then the root, with ``fully_shard``'s defaults: blocks
+reshard after forward, the root keeps its parameters gathered for backward), and the steps run on rank zero's shards,
+gathered parameters and reduce-scatters included.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """The blocks a run shards one by one: the children of the module's largest ``ModuleList`` (a transformer's
+    layers); none when it has no such list."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    if not lists:
+        return []
+    largest = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
+    return list(largest)
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int, device_type: str = "cpu") -> Iterator[Any]:
+    """torch's fake process group of ``world_size`` ranks, this process as rank zero, and a 1-D device mesh over it.
+
+    Raises:
+        RuntimeError: A process group is already initialized here (a real distributed run): estimate before
+            initializing it, or from another process.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("a process group is already initialized in this process: estimate a sharded run from another one")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield init_device_mesh(device_type, (world_size,))
+    finally:
+        dist.destroy_process_group()
+
+
+def shard_like_the_run(model: nn.Module, mesh: Any, reshard_after_forward: bool | None = None) -> int:
+    """``fully_shard`` each repeated block of ``model``, then ``model`` itself; the number of blocks sharded.
+
+    ``reshard_after_forward`` goes to every call; None is ``fully_shard``'s own default (True for the blocks, False for
+    the root), which is what a run that passes nothing gets.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    blocks = repeated_blocks(model)
+    for block in blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    return len(blocks)
+
+
+def sharding_label(world_size: int, blocks: int) -> str:
+    """How the estimate sharded the module, in words (``""`` unsharded)."""
+    if world_size <= 1:
+        return ""
+    return f"FSDP2 over {world_size} ranks ({blocks} blocks, then the root; fully_shard's defaults), rank 0 shown"
+
+
+def check_world_size(world_size: int) -> int:
+    world_size = int(world_size)
+    if world_size < 1:
+        raise ValueError(f"the number of ranks to shard over must be at least 1, not {world_size}")
+    if world_size > 1 and not torch.distributed.is_available():
+        raise RuntimeError("this torch has no torch.distributed: a sharded run cannot be estimated")
+    return world_size
