@@ -92,3 +92,54 @@ def test_fsdp2_estimate_is_measured_and_matches_the_real_two_rank_run(tmp_path):
             assert measured == {getattr(rows[phase], column)}, (phase, column, measured)
     # the root keeps its gathered (tied) embedding from forward to backward: vocabulary x hidden, float32
     assert rows["after_forward"].unsharded_parameters_bytes >= 2048 * 256 * 4
+
+
+def test_agrees_with_torchs_fsdp_mem_tracker(tmp_path):
+    """torch's FSDPMemTracker names the same parts: where both measure (rank 0 of 2, torch's fake process group in
+    this process, real CPU tensors), the bytes agree to the byte."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from lightning_memtrace import MemoryRecorder
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 65), torch.nn.ReLU(), torch.nn.Linear(65, 3))
+        fully_shard(model[0], mesh=mesh)
+        fully_shard(model[2], mesh=mesh, reshard_after_forward=False)
+        fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        theirs = FSDPMemTracker(model, optimizer)
+        snapshots = {}
+        with MemoryRecorder(model, [optimizer], output_dir=tmp_path, history=False) as recorder, theirs:
+            for step in range(2):
+                x = torch.randn(8, 64)
+                recorder.begin_batch(x, step=step)
+                loss = model(x).square().mean()
+                recorder.mark_forward_done()
+                snapshots["after_forward"] = next(iter(theirs.get_tracker_snapshot().values()))
+                loss.backward()
+                recorder.mark_backward_done()
+                optimizer.step()
+                recorder.end_batch()  # gradients alive at batch_end: Lightning zeroes them in the next closure
+                snapshots["batch_end"] = next(iter(theirs.get_tracker_snapshot().values()))
+                optimizer.zero_grad()
+    finally:
+        dist.destroy_process_group()
+    ours = {r.phase.value: r for r in recorder.records if r.step == 1}
+    for phase, snapshot in snapshots.items():
+        row = ours[phase]
+        assert row.parameters_bytes == snapshot[_FSDPRefType.SHARDED_PARAM] == 9108
+        assert row.unsharded_parameters_bytes == snapshot[_FSDPRefType.UNSHARDED_PARAM]
+        assert row.gradients_bytes == snapshot[_FSDPRefType.SHARDED_GRAD]
+        assert row.unsharded_gradients_bytes == snapshot[_FSDPRefType.UNSHARDED_GRAD] == 0
+        assert row.optimizer_state_bytes == snapshot[_FSDPRefType.OPT] == 18232
+        assert row.allocated_bytes == snapshot["Total"]
+    assert ours["after_forward"].unsharded_parameters_bytes == 1056  # the last layer, kept gathered: (4x65 + 4) x 4 B
+    assert ours["batch_end"].gradients_bytes == 9108
