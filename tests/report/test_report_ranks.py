@@ -13,7 +13,13 @@ from test_report import external_loads, summary_json
 from lm_helpers import record_plain_loop
 from lightning_memtrace import cli
 from lightning_memtrace.analysis.loader import load_snapshot
-from lightning_memtrace.analysis.ranks import RANK_IMBALANCE_PERCENT, rank_imbalance, rank_imbalance_finding
+from lightning_memtrace.analysis.ranks import (
+    RANK_IMBALANCE_PERCENT,
+    rank_imbalance,
+    rank_imbalance_finding,
+    rank_overview,
+)
+from lightning_memtrace.analysis.source import load_source
 from lightning_memtrace.analysis.replay import replay
 from lightning_memtrace.report import write_report
 
@@ -87,6 +93,11 @@ def test_two_rank_report_shows_every_rank(two_rank_folder: Path, tmp_path: Path)
     assert summary["rank_imbalance"]["percent"] > RANK_IMBALANCE_PERCENT
     finding = next(f for f in summary["findings"] if f["code"] == "rank_imbalance")
     assert f"{diff:,} B" in finding["message"]
+    # and why: at its peak row rank 1 holds the larger batch (256 vs 8 rows of 64 float32) and its activations
+    overview = rank_overview(load_source(two_rank_folder.parent))
+    assert overview.imbalance_parts["inputs"] == (256 - 8) * 64 * 4
+    assert "parameters" not in overview.imbalance_parts  # the same model on both ranks
+    assert "at its peak row it holds" in finding["message"] and "more inputs" in finding["message"]
     assert summary["findings"][0]["code"] == "peak"
 
 

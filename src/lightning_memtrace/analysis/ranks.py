@@ -8,7 +8,7 @@ import pandas as pd
 
 from lightning_memtrace.analysis.findings import Finding, Severity
 from lightning_memtrace.analysis.source import LoadedSnapshot, ReportSource
-from lightning_memtrace.types import TRAIN_PHASES
+from lightning_memtrace.types import ROW_CATEGORIES, TRAIN_PHASES, category_label
 from lightning_memtrace.units import format_bytes, percent
 
 #: A rank whose peak is more than this percent above the lowest rank's gets a warning.
@@ -70,17 +70,47 @@ def rank_imbalance(peaks: dict[int, int], basis: str) -> RankImbalance | None:
     return RankImbalance(dict(sorted(clean.items())), basis, high_rank, low_rank, high, low, diff, share)
 
 
-def rank_imbalance_finding(imbalance: RankImbalance | None) -> Finding | None:
-    """A warning when one rank peaks more than :data:`RANK_IMBALANCE_PERCENT` above another; None otherwise."""
+def imbalance_parts(phases: pd.DataFrame | None, high_rank: int, low_rank: int) -> dict[str, int]:
+    """Why one rank peaks above another: per category, what the high rank's peak row holds beyond the low rank's
+    (the rows with each rank's highest ``peak_bytes`` in the phases CSV; ``transient`` is the peak above what stayed
+    allocated at the row), largest difference first, only the differences that are not zero."""
+    if phases is None or not len(phases) or "rank" not in phases:
+        return {}
+    rows = {}
+    for rank in (high_rank, low_rank):
+        mine = phases[phases["rank"] == rank]
+        if not len(mine):
+            return {}
+        rows[rank] = mine.loc[mine["peak_bytes"].idxmax()]
+    parts = {
+        category: int(rows[high_rank][f"{category}_bytes"]) - int(rows[low_rank][f"{category}_bytes"])
+        for category in ROW_CATEGORIES
+        if f"{category}_bytes" in phases
+    }
+    high, low = rows[high_rank], rows[low_rank]
+    parts["transient"] = int(high.peak_bytes - high.allocated_bytes) - int(low.peak_bytes - low.allocated_bytes)
+    return dict(sorted(((c, b) for c, b in parts.items() if b), key=lambda kv: -abs(kv[1])))
+
+
+def _parts_sentence(parts: dict[str, int]) -> str:
+    shown = [f"{format_bytes(abs(b))} {'more' if b > 0 else 'less'} {category_label(c)}" for c, b in parts.items()]
+    return f"; at its peak row it holds {', '.join(shown[:3])}" if shown else ""
+
+
+def rank_imbalance_finding(imbalance: RankImbalance | None, parts: dict[str, int] | None = None) -> Finding | None:
+    """A warning when one rank peaks more than :data:`RANK_IMBALANCE_PERCENT` above another, saying which categories
+    make the difference (``parts``, from :func:`imbalance_parts`); None otherwise."""
     if imbalance is None or not imbalance.exceeds:
         return None
     return Finding(
         "rank_imbalance",
-        f"ranks are imbalanced ({imbalance.basis}, {len(imbalance.peaks)} ranks): {imbalance.sentence()}; every rank "
+        f"ranks are imbalanced ({imbalance.basis}, {len(imbalance.peaks)} ranks): {imbalance.sentence()}"
+        f"{_parts_sentence(parts or {})}; every rank "
         "must fit in the same memory, so the highest one sets the limit: uneven batches or sequence lengths, work "
         "done on one rank only (logging, metrics, checkpointing, validation) or uneven sharding are the usual causes",
         Severity.WARNING,
         {
+            "by_category": dict(parts or {}),
             "peaks": dict(imbalance.peaks),
             "basis": imbalance.basis,
             "high_rank": imbalance.high_rank,
@@ -123,6 +153,8 @@ class RankOverview:
     ranks: list[RankPeak]
     phase_columns: list[str]
     imbalance: RankImbalance | None
+    #: What the highest rank's peak row holds beyond the lowest rank's, per category (see :func:`imbalance_parts`).
+    imbalance_parts: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def _snapshots_by_rank(source: ReportSource) -> dict[int, list[LoadedSnapshot]]:
@@ -175,12 +207,14 @@ def rank_overview(source: ReportSource) -> RankOverview | None:
     present = set(phases["phase"].astype(str)) if phases is not None and len(phases) else set()
     columns = [p for p in RANK_PHASES if p in present]
     rows = [_rank_peak(rank, by_rank.get(rank, []), phases, columns) for rank in ranks]
-    return RankOverview(rows, columns, _imbalance(rows))
+    imbalance = _imbalance(rows)
+    parts = imbalance_parts(phases, imbalance.high_rank, imbalance.low_rank) if imbalance is not None else {}
+    return RankOverview(rows, columns, imbalance, parts)
 
 
 def add_rank_finding(findings: list[Finding], overview: RankOverview | None) -> list[Finding]:
     """Put the rank-imbalance warning (when there is one) right after the ``peak`` finding."""
-    finding = rank_imbalance_finding(overview.imbalance) if overview is not None else None
+    finding = rank_imbalance_finding(overview.imbalance, overview.imbalance_parts) if overview is not None else None
     if finding is not None:
         at = 1 if findings and findings[0].code in ("peak", "empty") else 0
         findings.insert(at, finding)
