@@ -64,8 +64,9 @@ def test_fsdp2_estimate_is_measured_and_matches_the_real_two_rank_run(tmp_path):
     from lightning_memtrace.models import TINY_QWEN2_CONFIG, build_causal_lm
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_"))}
-    # the size: with gloo, a gathered block's buffer is sometimes freed only after the next one is allocated,
-    # which lifts one rank's peak by up to one block (here 2 MiB) at random: 2% of this run's peak, within the 3%
+    # With gloo, a gathered block's buffer is sometimes freed only after the next block is gathered (the collective's
+    # work object lets go of it late), lifting one rank's peak by a decoder layer (2.8 MiB) or the root (2.0 MiB) at
+    # random: 2-3% of this run's peak. The estimate (fake process group: no such delay) is the run without it.
     batch, seq_len = 4, 128
     result = subprocess.run(
         [sys.executable, str(EXAMPLE), "--ranks", "2", "--steps", "3", "--batch-size", str(batch), "--seq-len",
@@ -81,8 +82,10 @@ def test_fsdp2_estimate_is_measured_and_matches_the_real_two_rank_run(tmp_path):
         optimizer_factory=lambda model: torch.optim.AdamW(model.parameters(), lr=1e-4),
     )
     assert estimated.world_size == 2 and estimated.sharding.startswith("FSDP2 over 2 ranks (4 blocks")
-    highest = int(real.peak_bytes.max())
-    assert abs(estimated.peak_bytes - highest) <= 0.03 * highest, (estimated.peak_bytes, highest)
+    peaks = real.groupby("rank").peak_bytes.max()
+    lowest, highest = int(peaks.min()), int(peaks.max())
+    assert 0.97 * lowest <= estimated.peak_bytes <= highest, (estimated.peak_bytes, peaks.to_dict())
+    assert highest - estimated.peak_bytes <= 2 * 2_904_064, (estimated.peak_bytes, peaks.to_dict())  # two layers
     # what each rank holds is the same on every rank, and the estimate's rank holds it byte for byte
     rows = {r.phase.value: r for r in estimated.records if r.step == 1}
     for phase in ("after_forward", "after_backward", "batch_end"):
