@@ -76,6 +76,29 @@ def test_summary_of_the_parent_prints_every_run(
     assert "no snapshot" not in out
 
 
+def test_summary_json_of_the_parent_has_one_object_per_run(
+    two_versions: tuple[Path, list[str]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 16, point 4: ``{"file", "runs": [...]}``, each run the object one run's folder gives."""
+    from json_schema import SUMMARY, SUMMARY_RUNS, check_shape
+
+    parent, runs = two_versions
+    assert _run_cli(["summary", str(parent), "--json", "--step", "2", "--phase", "forward"]) == 0
+    obj = json.loads(capsys.readouterr().out)
+    check_shape(obj, SUMMARY_RUNS)
+    assert obj["file"] == str(parent) and [r["run"] for r in obj["runs"]] == runs
+    assert [r["label"] for r in obj["runs"]] == ["version_0", "version_1"]
+    for run in obj["runs"]:
+        (device,) = run["devices"]
+        assert run["is_memtrace"] and device["scope"] == "step 2, phase forward" and device["stage"] == "forward"
+    assert _run_cli(["summary", str(parent / "version_1"), "--json", "--step", "2", "--phase", "forward"]) == 0
+    single = json.loads(capsys.readouterr().out)
+    check_shape(single, SUMMARY)
+    assert {k: v for k, v in single.items() if k not in ("schema", "file", "label")} == {
+        k: v for k, v in obj["runs"][1].items() if k != "label"
+    }
+
+
 def test_report_of_the_parent_has_a_section_per_run(two_versions: tuple[Path, list[str]], tmp_path: Path) -> None:
     parent, runs = two_versions
     out = tmp_path / "report.html"

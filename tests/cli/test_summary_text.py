@@ -20,6 +20,28 @@ def test_summary_text(name: str, capsys: pytest.CaptureFixture[str], expected, m
     expected(capsys.readouterr().out, f"summary_{path.stem}.txt")
 
 
+@pytest.mark.parametrize(
+    ("name", "args", "expected_name"),
+    [
+        # the window holds the peak (event 17, the second call's forward)
+        (
+            "shreyansh26_profile_grad.pkl",
+            ["--window", "1735227250490000:1735227250513363"],
+            "summary_window_shreyansh26_profile_grad.txt",
+        ),
+        ("shreyansh26_profile_grad.pkl", ["--at", "5", "--file", "profile_grad.py"], "summary_at_file_shreyansh26.txt"),
+        ("drisspg_mini_snapshot.pickle", ["--file", "misc/attention.py"], "summary_file_drisspg_mini_snapshot.txt"),
+    ],
+)
+def test_summary_question_text(
+    name: str, args: list[str], expected_name: str, capsys: pytest.CaptureFixture[str], expected, monkeypatch
+) -> None:
+    """Issue 16, point 3: the text of the questions of time."""
+    monkeypatch.setenv("COLUMNS", "160")
+    assert main(["summary", str(fixture_path(name)), "--sites", "5", *args]) == 0
+    expected(capsys.readouterr().out, expected_name)
+
+
 def test_report_and_summary_read_one_view() -> None:
     source = load_source(fixture_path("shreyansh26_profile_grad.pkl"))
     assert source.main is not None

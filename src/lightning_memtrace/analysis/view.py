@@ -15,6 +15,7 @@ from lightning_memtrace.types import SHARDED_CATEGORIES, Category, category_labe
 from lightning_memtrace.units import percent
 
 if TYPE_CHECKING:
+    from lightning_memtrace.analysis.model import DeviceReplay, Peak
     from lightning_memtrace.analysis.postmortem import LiveBlock, PostMortem
     from lightning_memtrace.analysis.source import LoadedSnapshot
 
@@ -115,10 +116,15 @@ def site_where(file: Any, line: Any) -> str:
 
 def snapshot_view(loaded: LoadedSnapshot, max_sites: int = DEFAULT_SITES) -> MemoryView:
     """The view of a replayed snapshot at its main device's peak."""
+    dev = loaded.replay.main
+    return moment_view(loaded, dev, dev.peak, max_sites)
+
+
+def moment_view(loaded: LoadedSnapshot, dev: DeviceReplay, moment: Peak, max_sites: int = DEFAULT_SITES) -> MemoryView:
+    """The view of one device of a replayed snapshot at any moment (its peak, or an answer of
+    :mod:`~lightning_memtrace.analysis.questions`)."""
     rep = loaded.replay
-    dev = rep.main
-    peak = dev.peak
-    total = int(peak.live_bytes)
+    total = int(moment.live_bytes)
     sites = [
         SiteRow(
             site_where(row["file"], row["line"]),
@@ -128,7 +134,7 @@ def snapshot_view(loaded: LoadedSnapshot, max_sites: int = DEFAULT_SITES) -> Mem
             int(row["count"]),
             percent(int(row["bytes"]), total),
         )
-        for row in peak.sites.head(max_sites).to_dict("records")
+        for row in moment.sites.head(max_sites).to_dict("records")
     ]
     about = {
         "name": loaded.path.name,
@@ -139,20 +145,20 @@ def snapshot_view(loaded: LoadedSnapshot, max_sites: int = DEFAULT_SITES) -> Mem
         "is_memtrace": rep.is_memtrace,
         "inferred": rep.inferred,
     }
-    moment = {
-        "stage": str(peak.stage),
-        "step": int(peak.step),
-        "at_dump_time": peak.index < 0 and dev.num_events == 0,
-        "before_trace": peak.index < 0 and dev.num_events > 0,
+    when = {
+        "stage": str(moment.stage),
+        "step": int(moment.step),
+        "at_dump_time": moment.index < 0 and dev.num_events == 0,
+        "before_trace": moment.index < 0 and dev.num_events > 0,
     }
     return MemoryView(
         total_bytes=total,
-        reserved_bytes=int(peak.reserved_bytes),
-        categories=shares(peak.by_category, total),
+        reserved_bytes=int(moment.reserved_bytes),
+        categories=shares(moment.by_category, total),
         sites=sites,
-        site_count=len(peak.sites),
-        inferred_bytes=int(peak.inferred_bytes),
-        **moment,
+        site_count=len(moment.sites),
+        inferred_bytes=int(moment.inferred_bytes),
+        **when,
         **about,
     )
 

@@ -17,6 +17,7 @@ def add_subcommand(subparsers: Any) -> None:
     parser.add_argument("b", help="second snapshot or log folder (B)")
     add_sites(parser)
     add_max_bytes(parser)
+    parser.add_argument("--json", action="store_true", help="print one JSON object (schema in the README)")
     parser.set_defaults(func=run)
 
 
@@ -41,6 +42,13 @@ def run(args: argparse.Namespace) -> int:
         a = load_source(args.a, progress=callback, **loader_kwargs(args))
         b = load_source(args.b, progress=callback, **loader_kwargs(args))
     result = diff_sources(a, b)
+    if args.json:
+        import json
+
+        from lightning_memtrace.analysis.answers import diff_object
+
+        print(json.dumps(diff_object(result, a, b, args.sites), indent=2))
+        return 0
     out = console()
     out.print(f"A = {result.a_name}\nB = {result.b_name}", markup=False)
     for title, frame, key in (

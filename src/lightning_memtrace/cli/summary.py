@@ -8,6 +8,7 @@ from typing import Any
 
 from lightning_memtrace.cli.args import add_max_bytes, add_sites, loader_kwargs
 from lightning_memtrace.cli.console import console, progress
+from lightning_memtrace.cli.moments import add_question_options, print_json, print_moment, question_of
 from lightning_memtrace.units import format_bytes
 
 
@@ -16,6 +17,7 @@ def add_subcommand(subparsers: Any) -> None:
     parser.add_argument("path", help="snapshot or MemTrace log folder")
     add_sites(parser)
     add_max_bytes(parser)
+    add_question_options(parser)
     parser.set_defaults(func=run)
 
 
@@ -48,10 +50,10 @@ def info_table(view: Any) -> Any:
     return _table(f"{view.name} (device {view.device})", columns, rows, show_header=False)
 
 
-def categories_table(view: Any) -> Any:
+def categories_table(view: Any, title: str = "live at the peak, by category") -> Any:
     rows = [[s.label, format_bytes(s.bytes), f"{s.bytes:,}", f"{s.percent:.1f}%"] for s in view.categories]
     columns = [("category", "left"), ("bytes", "right"), ("exact", "right"), ("share", "right")]
-    return _table("live at the peak, by category", columns, rows)
+    return _table(title, columns, rows)
 
 
 def shorten_where(where: str, width: int) -> str:
@@ -77,7 +79,7 @@ def shorten_where(where: str, width: int) -> str:
 FUNCTION_WIDTH = 24
 
 
-def sites_table(view: Any, width: int | None = None) -> Any:
+def sites_table(view: Any, width: int | None = None, title: str = "largest allocation sites at the peak") -> Any:
     """The largest sites; with ``width`` (the console's), ``file:line`` is shortened in the middle to fit."""
     cells = [[s.where, s.function, s.label, format_bytes(s.bytes), f"{s.bytes:,}", f"{s.count:,}"] for s in view.sites]
     columns = [
@@ -95,7 +97,7 @@ def sites_table(view: Any, width: int | None = None) -> Any:
         cells = [[shorten_where(row[0], budget), *row[1:]] for row in cells]
     from rich.table import Table
 
-    table = Table(title="largest allocation sites at the peak")
+    table = Table(title=title)
     for i, (column, justify) in enumerate(columns):
         table.add_column(column, justify=justify, no_wrap=i == 0, min_width=None)  # type: ignore[arg-type]
     for row in cells:
@@ -174,8 +176,12 @@ def print_source(out: Any, source: Any, sites: int) -> None:
 def run(args: argparse.Namespace) -> int:
     from lightning_memtrace.analysis.source import load_sources
 
+    question = question_of(args)
     with progress() as callback:
         sources = load_sources(args.path, progress=callback, **loader_kwargs(args))
+    if args.json:
+        print_json(args, sources, question)
+        return 0
     out = console()
     if len(sources) > 1:
         out.print(f"{args.path}: {len(sources)} runs, oldest first", markup=False)
@@ -184,5 +190,8 @@ def run(args: argparse.Namespace) -> int:
             from rich.markup import escape
 
             out.rule(escape(f"run: {source.label}"), characters="=")
-        print_source(out, source, args.sites)
+        if question.empty and args.device is None:
+            print_source(out, source, args.sites)
+        else:
+            print_moment(out, source, question, args)
     return 0

@@ -1,0 +1,175 @@
+"""The machine-readable answers of ``memtrace summary --json`` and ``memtrace diff --json``: plain dicts of ints,
+strings, lists and None, ready for :func:`json.dumps` (the schema is in the README, section "Machine-readable
+answers", and held by ``tests/cli/test_json.py``).
+
+Summary, one run::
+
+    {"file", "run", "label", "snapshot", "is_memtrace", "categories_inferred", "question", "devices": [device...]}
+
+A folder holding several runs: ``{"file", "runs": [<one run's object>...]}``, oldest first. Each device::
+
+    {"device", "events", "has_time", "scope", "scope_events", "peak_bytes", "peak_event", "peak_time_us",
+     "stage", "step", "reserved_bytes", "live_bytes", "categories", "sites", "site_count", "file_lines",
+     "annotations", "phases"}
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_memtrace.analysis.diff import Diff
+from lightning_memtrace.analysis.model import DeviceReplay, Peak
+from lightning_memtrace.analysis.questions import Answer, Question, ask, phase_peaks
+from lightning_memtrace.analysis.source import LoadedSnapshot, ReportSource
+
+#: Version of the summary object's layout (``"schema"``); bumped when a key changes meaning or goes away.
+SUMMARY_SCHEMA = "memtrace.summary/1"
+#: Version of the diff object's layout.
+DIFF_SCHEMA = "memtrace.diff/1"
+
+
+def annotations_of(dev: DeviceReplay, loaded: LoadedSnapshot) -> list[dict[str, Any]]:
+    """The snapshot's annotations on this device (``{"name", "stage", "time_us", "live_bytes"}``), from
+    :mod:`lightning_memtrace.analysis.annotations` where that module exists; else none."""
+    try:
+        from lightning_memtrace.analysis.annotations import annotation_rows  # type: ignore[import-not-found]
+    except ImportError:
+        return []
+    return [dict(row) for row in annotation_rows(dev, loaded)]
+
+
+def site_rows(moment: Peak, max_sites: int | None) -> list[dict[str, Any]]:
+    """The sites at a moment (one row per site and category), largest first, at most ``max_sites``."""
+    sites = moment.sites if max_sites is None else moment.sites.head(max_sites)
+    return [
+        {
+            "site": str(r["site"]),
+            "function": str(r["function"]),
+            "category": str(r["category"]),
+            "bytes": int(r["bytes"]),
+            "count": int(r["count"]),
+        }
+        for r in sites.to_dict("records")
+    ]
+
+
+def phase_rows(dev: DeviceReplay) -> list[dict[str, Any]]:
+    """Every (step, phase) of the trace with its peak (see :func:`~.questions.phase_peaks`)."""
+    return [
+        {key: (str(value) if key == "phase" else int(value)) for key, value in row.items()}
+        for row in phase_peaks(dev).to_dict("records")
+    ]
+
+
+def device_object(dev: DeviceReplay, answer: Answer, loaded: LoadedSnapshot, max_sites: int | None) -> dict[str, Any]:
+    """One device's object: the scope's peak, the moment answered (categories, sites), annotations and phases."""
+    moment, peak = answer.moment, answer.peak
+    obj: dict[str, Any] = {
+        "device": int(dev.device),
+        "events": int(dev.num_events),
+        "has_time": bool(dev.has_time),
+        "scope": answer.scope,
+        "scope_events": int(answer.events),
+        "peak_bytes": int(peak.live_bytes),
+        "peak_event": int(peak.index),
+        "peak_time_us": int(peak.time_us),
+        "stage": str(moment.stage),
+        "step": int(moment.step),
+        "reserved_bytes": int(moment.reserved_bytes) if dev.reserved_known else None,
+        "live_bytes": int(moment.live_bytes) if answer.at is not None else None,
+        "categories": {str(k): int(v) for k, v in moment.by_category.items()},
+        "sites": site_rows(moment, max_sites),
+        "site_count": len(moment.sites),
+        "file_lines": None if answer.lines is None else [dict(vars(line)) for line in answer.lines],
+        "annotations": annotations_of(dev, loaded),
+        "phases": phase_rows(dev),
+    }
+    return obj
+
+
+def question_object(question: Question) -> dict[str, Any]:
+    """The question as asked (None where not)."""
+    return {
+        "window_us": list(question.window) if question.window is not None else None,
+        "at": question.at,
+        "step": question.step,
+        "phase": question.phase,
+        "file": question.file,
+    }
+
+
+def run_object(
+    source: ReportSource, question: Question, max_sites: int | None, device: int | None = None
+) -> dict[str, Any]:
+    """One run: its main snapshot (highest peak) and each of its devices (or only ``device``) answering ``question``.
+
+    Raises:
+        QuestionError: A device cannot answer (or ``device`` is not in the snapshot).
+    """
+    from lightning_memtrace.analysis.questions import QuestionError
+
+    main = source.main
+    obj: dict[str, Any] = {
+        "run": source.run,
+        "label": source.label,
+        "snapshot": main.path.name if main is not None else None,
+        "is_memtrace": bool(main is not None and main.replay.is_memtrace),
+        "categories_inferred": bool(main is not None and main.replay.inferred),
+        "question": question_object(question),
+        "devices": [],
+    }
+    if main is None:
+        if not question.empty:
+            raise QuestionError(f"{source.label}: no snapshot to answer the question (only the phases CSV)")
+        return obj
+    devices = main.replay.devices
+    if device is not None and device not in devices:
+        raise QuestionError(f"--device {device}: the snapshot has devices {', '.join(map(str, sorted(devices)))}")
+    for index in sorted(devices) if device is None else [device]:
+        dev = devices[index]
+        obj["devices"].append(device_object(dev, ask(dev, question), main, max_sites))
+    return obj
+
+
+def summary_object(
+    path: str, sources: list[ReportSource], question: Question, max_sites: int | None, device: int | None = None
+) -> dict[str, Any]:
+    """``memtrace summary --json``: one run's object with ``"file"``, or ``{"file", "runs": [...]}`` for several."""
+    runs = [run_object(source, question, max_sites, device) for source in sources]
+    if len(runs) == 1:
+        return {"schema": SUMMARY_SCHEMA, "file": str(path), **runs[0]}
+    return {"schema": SUMMARY_SCHEMA, "file": str(path), "runs": runs}
+
+
+def _side(name: str, loaded: LoadedSnapshot | None) -> dict[str, Any]:
+    rep = loaded.replay if loaded is not None else None
+    peak = rep.peak if rep is not None else None
+    return {
+        "name": name,
+        "snapshot": str(loaded.path) if loaded is not None else None,
+        "device": int(peak.device) if peak is not None else None,
+        "peak_bytes": int(peak.live_bytes) if peak is not None else None,
+        "peak_event": int(peak.index) if peak is not None else None,
+        "categories": {str(k): int(v) for k, v in peak.by_category.items()} if peak is not None else {},
+    }
+
+
+def diff_object(result: Diff, a: ReportSource, b: ReportSource, max_sites: int | None) -> dict[str, Any]:
+    """``memtrace diff --json``: both sides' peaks and categories, and B - A per figure, category and site."""
+
+    def rows(frame: Any, key: str) -> list[dict[str, Any]]:
+        return [
+            {key: str(r[key]), "a": int(r["a"]), "b": int(r["b"]), "delta": int(r["delta"])}
+            for r in frame.to_dict("records")
+        ]
+
+    by_site = result.by_site if max_sites is None else result.by_site.head(max_sites)
+    return {
+        "schema": DIFF_SCHEMA,
+        "a": _side(result.a_name, a.main),
+        "b": _side(result.b_name, b.main),
+        "figures": rows(result.summary, "figure"),
+        "categories": rows(result.by_category, "category"),
+        "sites": rows(by_site, "site"),
+        "site_count": len(result.by_site),
+    }
