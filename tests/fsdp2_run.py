@@ -1,6 +1,7 @@
 """A Lightning FSDP2 fit (ModelParallelStrategy, gloo on CPU) with MemTrace; each rank writes what it really holds.
 
-Usage: python fsdp2_run.py OUT_DIR WORLD_SIZE [ACCELERATOR]   (cpu by default: gloo; cuda: nccl, one GPU per rank)
+Usage: python fsdp2_run.py OUT_DIR WORLD_SIZE [ACCELERATOR] [oom]   (cpu by default: gloo; cuda: nccl, one GPU per
+rank; with "oom" rank 1 asks for 10**15 bytes in its second training step)
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from lightning_memtrace.capture.storages import unique_storage_bytes
 
 OUT, WORLD = Path(sys.argv[1]), int(sys.argv[2])
 ACCELERATOR = sys.argv[3] if len(sys.argv) > 3 else "cpu"
+OOM = len(sys.argv) > 4 and sys.argv[4] == "oom"
 
 
 class Sharded(pl.LightningModule):
@@ -37,7 +39,10 @@ class Sharded(pl.LightningModule):
         fully_shard(self.net, mesh=mesh)
 
     def training_step(self, batch, batch_idx):
-        return self.net(batch).square().mean()
+        loss = self.net(batch).square().mean()
+        if OOM and self.global_rank == 1 and batch_idx == 1:
+            torch.empty(10**15, dtype=torch.uint8, device=batch.device)
+        return loss
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)

@@ -146,3 +146,19 @@ def test_agrees_with_torchs_fsdp_mem_tracker(tmp_path):
         assert row.allocated_bytes == snapshot["Total"]
     assert ours["after_forward"].unsharded_parameters_bytes == 1056  # the last layer, kept gathered: (4x65 + 4) x 4 B
     assert ours["batch_end"].gradients_bytes == 9108
+
+
+def test_fsdp2_one_rank_out_of_memory_writes_its_post_mortem(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_"))}
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), str(tmp_path), "2", "cpu", "oom"], capture_output=True, text=True, timeout=240,
+        env=env, cwd=str(tmp_path),
+    )
+    assert result.returncode != 0
+    folder = tmp_path / "memtrace"
+    assert sorted(p.name for p in folder.glob("oom_*")) == ["oom_rank1_step1.pickle", "oom_rank1_step1.txt"]
+    text = (folder / "oom_rank1_step1.txt").read_text()
+    assert "(rank 1)" in text and "(1,000,000,000,000,000 B)" in text
+    assert "post-mortem:" in result.stderr and "oom_rank1_step1.txt" in result.stderr
+    phases = load_phases(folder)
+    assert set(phases[phases["rank"] == 1].step) == {0, 1}  # the rank that died wrote its rows up to its death
