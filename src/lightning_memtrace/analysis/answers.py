@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning_memtrace.analysis.annotations import annotation_rows
 from lightning_memtrace.analysis.diff import Diff
 from lightning_memtrace.analysis.model import DeviceReplay, Peak
 from lightning_memtrace.analysis.questions import Answer, Question, ask, phase_peaks
@@ -29,13 +30,11 @@ DIFF_SCHEMA = "memtrace.diff/1"
 
 
 def annotations_of(dev: DeviceReplay, loaded: LoadedSnapshot) -> list[dict[str, Any]]:
-    """The snapshot's annotations on this device (``{"name", "stage", "time_us", "live_bytes"}``), from
-    :mod:`lightning_memtrace.analysis.annotations` where that module exists; else none."""
-    try:
-        from lightning_memtrace.analysis.annotations import annotation_rows  # type: ignore[import-not-found]
-    except ImportError:
-        return []
-    return [dict(row) for row in annotation_rows(dev, loaded)]
+    """The snapshot's annotations on this device: ``{"name", "stage", "time_us", "live_bytes"}`` each, in time order
+    (see :func:`~lightning_memtrace.analysis.annotations.annotation_rows`)."""
+    return [
+        {key: row[key] for key in ("name", "stage", "time_us", "live_bytes")} for row in annotation_rows(dev)
+    ]
 
 
 def site_rows(moment: Peak, max_sites: int | None) -> list[dict[str, Any]]:

@@ -62,6 +62,9 @@ class DeviceReplay:
         reserved_known: Whether reserved bytes could be followed (segments or segment events).
         unknown_frees: Frees of addresses the trace never allocated (taken as pre-existing blocks).
         oom_rows: Row indices of ``oom`` events.
+        annotations: The snapshot's ``external_annotations`` of this device (``record_function`` ranges, MemTrace's
+            phases): ``{"name", "stage": "START" | "END", "time_us", ...}``, ordered by time (see
+            :mod:`~lightning_memtrace.analysis.annotations`).
     """
 
     device: int
@@ -72,6 +75,7 @@ class DeviceReplay:
     reserved_known: bool
     unknown_frees: int
     oom_rows: list[int]
+    annotations: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     @property
     def num_events(self) -> int:
@@ -138,6 +142,10 @@ class DeviceReplay:
         al = self.allocations
         mask = (al["alloc_index"].to_numpy() <= index) & (al["end_index"].to_numpy() > index)
         return al[mask]
+
+    def categories_at(self, index: int) -> dict[str, int]:
+        """Live bytes per category just after row ``index`` (``-1``: before the first event), largest first."""
+        return self._breakdown(index)
 
     def _breakdown(self, index: int) -> dict[str, int]:
         live = self.live_allocations(index)

@@ -29,7 +29,9 @@ from lightning_memtrace.analysis.events import (
     A,
     action_codes,
     as_int,
+    column,
     extract_columns,
+    factorize,
     first_positions,
     scatter_add,
 )
@@ -66,6 +68,9 @@ class Events:
     site: np.ndarray  # codes into the site table
     forced: np.ndarray  # category a stack forces, or -1
     recorded: np.ndarray  # category code MemTrace recorded, or -1
+    #: The ``compile_context`` of each event (codes into ``contexts``; -1: none), where torch recorded it.
+    context: np.ndarray | None = None
+    contexts: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def n(self) -> int:
@@ -112,6 +117,29 @@ class Allocations:
     step: np.ndarray
     category: np.ndarray
     inferred: np.ndarray
+    context: np.ndarray | None = None  # codes into Events.contexts, -1: none
+
+
+#: The field torch adds to each event when recording was started with ``compile_context=True``: the torch.compile
+#: frame (``"[0/0]"``...) the allocation was made in, ``"N/A"`` outside compiled code.
+COMPILE_CONTEXT_FIELD = "compile_context"
+#: What the allocations table holds for an allocation without a compile context.
+NO_COMPILE_CONTEXT = ""
+
+
+def compile_contexts(trace: list[dict[str, Any]]) -> tuple[np.ndarray | None, list[str]]:
+    """Each event's compile context (codes, -1 for none or ``"N/A"``) and the distinct contexts; ``(None, [])`` when the
+    trace's events carry none."""
+    n = len(trace)
+    if not n or not any(isinstance(e, dict) and COMPILE_CONTEXT_FIELD in e for e in trace[:64]):
+        return None, []
+    codes, uniques = factorize(column(trace, COMPILE_CONTEXT_FIELD, None))
+    names = [str(u) if u is not None else "" for u in uniques]
+    keep = np.array([bool(x) and x != "N/A" for x in names] + [False], dtype=bool)
+    remap = np.cumsum(keep) - 1
+    codes = np.where(keep[codes], remap[codes], -1).astype(np.int32)
+    kept = [x for x, k in zip(names, keep[:-1].tolist()) if k]
+    return (codes, kept) if kept else (None, [])
 
 
 def read_events(
@@ -131,7 +159,8 @@ def read_events(
     stage, step = event_stages(
         frame_stage, (tag_stage, tag_step), times, has_time, annotations, device, header_phase_marks(header)
     )
-    return Events(codes, addrs, sizes, times, has_time, stage, step, site, forced, recorded)
+    context, contexts = compile_contexts(trace)
+    return Events(codes, addrs, sizes, times, has_time, stage, step, site, forced, recorded, context, contexts)
 
 
 def classify_stacks(frames: Any, n: int, table: SiteTable) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -266,7 +295,10 @@ def build_allocations(ev: Events, pairing: Pairing, segs: Segments, table: SiteT
     a_inferred = recorded < 0
     a_cat = np.where(a_inferred, inferred, recorded).astype(np.int16)
     _fill_pre_existing_sites(a_site, a_cat, table)
-    return Allocations(a_index, e_index, a_size, a_site, a_stage, a_stage_end, a_step, a_cat, a_inferred)
+    a_context = None
+    if ev.context is not None:
+        a_context = np.concatenate([ev.context[rows], np.full(n_old, -1, dtype=np.int32)])
+    return Allocations(a_index, e_index, a_size, a_site, a_stage, a_stage_end, a_step, a_cat, a_inferred, a_context)
 
 
 def live_bytes(al: Allocations, n: int) -> tuple[np.ndarray, np.ndarray, int]:
@@ -361,8 +393,11 @@ def timeline_frame(
     return timeline, seed_bytes, reserved_known
 
 
-def allocations_frame(al: Allocations, segs: Segments, table: SiteTable) -> pd.DataFrame:
-    """Step 10: the allocation table as a DataFrame (``attrs["reserved_end"]``: reserved bytes at dump time)."""
+def allocations_frame(
+    al: Allocations, segs: Segments, table: SiteTable, contexts: list[str] | None = None
+) -> pd.DataFrame:
+    """Step 10: the allocation table as a DataFrame (``attrs["reserved_end"]``: reserved bytes at dump time); with a
+    ``compile_context`` column where the trace's events carry one."""
     empty = len(al.site) == 0
 
     def per_site(values: list[Any], dtype: Any) -> np.ndarray:
@@ -384,6 +419,10 @@ def allocations_frame(al: Allocations, segs: Segments, table: SiteTable) -> pd.D
             "function": per_site([x.function for x in table.sites], object),
         }
     )
+    if al.context is not None and contexts:
+        frame["compile_context"] = pd.Categorical.from_codes(
+            np.where(al.context >= 0, al.context + 1, 0).astype(np.int64), categories=[NO_COMPILE_CONTEXT, *contexts]
+        )
     frame.attrs["reserved_end"] = segs.reserved_end
     return frame
 
@@ -405,13 +444,29 @@ def replay_device(
     return DeviceReplay(
         device=device,
         timeline=timeline,
-        allocations=allocations_frame(al, segs, table),
+        allocations=allocations_frame(al, segs, table, ev.contexts),
         seed_bytes=seed_bytes,
         has_time=bool(ev.has_time),
         reserved_known=reserved_known,
         unknown_frees=pairing.unknown_frees,
         oom_rows=np.nonzero(ev.action == A["oom"])[0].tolist(),
+        annotations=device_annotations(annotations, device),
     )
+
+
+def device_annotations(annotations: list[dict[str, Any]], device: int) -> list[dict[str, Any]]:
+    """The annotations of ``device`` (those without a device go with every device) that have a name, a stage and a
+    time, ordered by time (stable: entries at equal times keep the file's order)."""
+    kept = []
+    for a in annotations:
+        where = a.get("device")
+        if isinstance(where, (int, np.integer)) and not isinstance(where, bool) and int(where) != device:
+            continue
+        t = a.get("time_us")
+        if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or as_int(t) != t:
+            continue
+        kept.append(a)
+    return sorted(kept, key=lambda a: int(a["time_us"]))
 
 
 def replay(snapshot: Snapshot | dict[str, Any] | list[Any], *, source: str | None = None) -> Replay:

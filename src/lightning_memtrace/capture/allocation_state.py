@@ -115,6 +115,10 @@ class AllocationState:
         #: Where a free seen by weak reference goes while the reports backend defers rows (see ``ReportsBackend.mark``).
         self.defer_free: Callable[[LiveAllocation], None] | None = None
         self.events: deque[tuple] = deque(maxlen=history_size)
+        #: ``record_function`` ranges entered and left inside a history window: ``(time_us, "START" | "END", name)``.
+        self.annotations: deque[tuple[int, str, str]] = deque(maxlen=history_size)
+        #: Names of the ranges open now (innermost last): an exit names the range it closes.
+        self.open_ranges: list[str] = []
         self._on_freed = self._freed
         self.device_type = device.type
         self._device_index = (device.index or 0) if device.type not in ("cpu", "meta") else None
@@ -123,6 +127,19 @@ class AllocationState:
     def resize_history(self, size: int) -> None:
         if self.events.maxlen != size:
             self.events = deque(self.events, maxlen=size)
+            self.annotations = deque(self.annotations, maxlen=size)
+
+    def note_range(self, stage: str, name: str | None = None) -> None:
+        """A ``record_function`` range starts (``"START"``, with its name) or ends (``"END"``: the innermost open one)
+        now. Kept inside a history window only (the snapshot's ``external_annotations``)."""
+        if stage == "START":
+            self.open_ranges.append(str(name))
+        elif self.open_ranges:
+            name = self.open_ranges.pop()
+        else:
+            return  # entered before the mode saw it: its start is unknown
+        if self.capture_all_frames:
+            self.annotations.append((time.time_ns() // 1000, stage, name or ""))
 
     def reset_peak(self) -> None:
         self._max_allocated = max(self._max_allocated, self.peak)

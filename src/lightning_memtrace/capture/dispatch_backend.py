@@ -136,6 +136,13 @@ class DispatchBackend:
 
     # ----------------------------------------------------------------------------------------------- per operator
     def _plan(self, func: Any) -> OperatorPlan:
+        range_stage = torch_private.record_function_stage(func)
+        if range_stage is not None:
+            # record_function's entry and exit: noted as the snapshot's external annotations (as torch does on CUDA).
+            plan: OperatorPlan = (self._range_call(torch_private.operator_call(func), range_stage), (), False)
+            self._plans[id(func)] = plan
+            self._planned_ops.append(func)
+            return plan
         plan = (
             torch_private.operator_call(func),
             torch_private.unaliased_outputs(func),
@@ -144,6 +151,22 @@ class DispatchBackend:
         self._plans[id(func)] = plan
         self._planned_ops.append(func)
         return plan
+
+    def _range_call(self, call: Callable[..., Any], stage: str) -> Callable[..., Any]:
+        """``call`` that also notes the start (with the range's name, its first argument) or end of a range."""
+        note = self.state.note_range
+
+        def entered(*args: Any, **kwargs: Any) -> Any:
+            out = call(*args, **kwargs)
+            name = args[0] if args else kwargs.get("name", "")
+            note("START", str(name))
+            return out
+
+        def left(*args: Any, **kwargs: Any) -> Any:
+            note("END")
+            return call(*args, **kwargs)
+
+        return entered if stage == "START" else left
 
     def _seen(self, out: Any) -> None:
         if isinstance(out, Tensor):

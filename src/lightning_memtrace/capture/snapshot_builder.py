@@ -2,7 +2,9 @@
 
 ``segments`` hold one segment per live storage (the CPU allocator has no caching, so reserved equals allocated);
 ``device_traces[device_index]`` holds the history's events since a time. Allocations and blocks carry ``category`` and
-``user_metadata`` (the phase and step they were made in).
+``user_metadata`` (the phase and step they were made in). ``external_annotations`` holds the ``record_function``
+ranges entered and left inside the history window, in torch's form (``{"name", "stage": "START" | "END", "time_us",
+"device"}``, what ``torch.cuda.memory._snapshot()`` holds for them on CUDA); the window adds MemTrace's phases to it.
 """
 
 from __future__ import annotations
@@ -19,11 +21,17 @@ UNKNOWN_CATEGORY = "unknown"
 
 
 def build_snapshot(
-    entries: Iterable[LiveAllocation], events: Iterable[tuple], since_us: int, device_index: int, metadata: str
+    entries: Iterable[LiveAllocation],
+    events: Iterable[tuple],
+    since_us: int,
+    device_index: int,
+    metadata: str,
+    annotations: Iterable[tuple[int, str, str]] = (),
 ) -> dict[str, Any]:
     """The snapshot dict of the live ``entries`` and the history ``events`` since ``since_us`` (Unix microseconds).
 
-    ``metadata`` is the tag of the stage now (the trace's closing marker event carries it).
+    ``metadata`` is the tag of the stage now (the trace's closing marker event carries it); ``annotations`` are the
+    ``(time_us, "START" | "END", name)`` of the ranges noted (those since ``since_us`` are kept).
     """
     segments = [_segment(entry, device_index) for entry in sorted(entries, key=lambda e: e.addr)]
     trace = _trace(events, since_us)
@@ -45,7 +53,17 @@ def build_snapshot(
         )
     device_traces: list[list[dict[str, Any]]] = [[] for _ in range(device_index + 1)]
     device_traces[device_index] = trace
-    return {"segments": segments, "device_traces": device_traces, "allocator_settings": {}}
+    external = [
+        {"name": name, "stage": stage, "time_us": time_us, "device": device_index}
+        for time_us, stage, name in annotations
+        if time_us >= since_us
+    ]
+    return {
+        "segments": segments,
+        "device_traces": device_traces,
+        "allocator_settings": {},
+        "external_annotations": external,
+    }
 
 
 def _segment(entry: LiveAllocation, device_index: int) -> dict[str, Any]:

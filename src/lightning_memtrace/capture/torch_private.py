@@ -59,6 +59,26 @@ def operator_name(func: Any) -> str | None:
         return None
 
 
+#: The operators ``torch.profiler.record_function`` (``torch.autograd.profiler.record_function``) calls on entering
+#: and leaving its range, by overload packet name: the stage of the annotation each one makes.
+_RECORD_FUNCTION_OPS = {
+    "_record_function_enter_new": "START",
+    "_record_function_enter": "START",
+    "_record_function_exit": "END",
+}
+
+
+def record_function_stage(func: Any) -> str | None:
+    """``"START"`` / ``"END"`` for the profiler operators that enter / leave a ``record_function`` range (which a
+    dispatch mode sees like any operator), None for every other operator or where this torch names them otherwise."""
+    try:
+        if func.namespace != "profiler":
+            return None
+    except Exception:  # not an OpOverload
+        return None
+    return _RECORD_FUNCTION_OPS.get(operator_name(func) or "")
+
+
 # ----------------------------------------------------------------------------------------------- profiler session
 @functools.cache
 def profiler_api() -> tuple[Any, Any] | None:
@@ -277,8 +297,12 @@ def start_cuda_history(max_entries: int) -> None:
     """Record alloc/free events with Python stacks into a ring buffer of ``max_entries`` events."""
     record = torch.cuda.memory._record_memory_history
     parameters = inspect.signature(record).parameters
-    if "enabled" in parameters and "stacks" in _record_impl_parameters():
-        record(enabled="all", context="all", stacks="python", max_entries=max_entries)
+    impl_parameters = _record_impl_parameters()
+    if "enabled" in parameters and "stacks" in impl_parameters:
+        # Where torch offers it, each event also carries the torch.compile context it was made in
+        # (``compile_context``); record_function ranges are written as ``external_annotations`` by torch itself.
+        extra = {"compile_context": True} if "compile_context" in impl_parameters else {}
+        record(enabled="all", context="all", stacks="python", max_entries=max_entries, **extra)
     elif "enabled" in parameters:
         record(enabled="all", max_entries=max_entries)
     else:  # torch < 2.1: the legacy boolean signature

@@ -280,6 +280,7 @@ class AllocationTracker:
             self.sync()  # reports up to now belong outside (or inside) the window that is closing (or opening)
             state.stream_stage, state.stream_metadata = self.stage, self.metadata
             if enabled and self.window_stacks:
+                state.open_ranges.clear()  # the mode saw no range open or close since it last ran
                 self._dispatch.start()
             else:
                 self._dispatch.stop()
@@ -295,4 +296,6 @@ class AllocationTracker:
         :mod:`~lightning_memtrace.capture.snapshot_builder`); the trace holds the events since ``since_us``."""
         self.sync()
         state = self._state
-        return build_snapshot(state.entries(), list(state.events), since_us, device_index, self.metadata)
+        return build_snapshot(
+            state.entries(), list(state.events), since_us, device_index, self.metadata, list(state.annotations)
+        )

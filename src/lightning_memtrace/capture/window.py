@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,58 @@ from lightning_memtrace.capture.rows import Classified
 from lightning_memtrace.capture.tracker import AllocationTracker
 from lightning_memtrace.files import step_snapshot_filename, window_snapshot_filename
 from lightning_memtrace.schema import HEADER_KEY, build_header
+from lightning_memtrace.types import STAGE_AFTER_PHASE, Phase, Stage
+
+#: The key of torch's snapshot that holds ``record_function`` ranges (and MemTrace's phases).
+ANNOTATIONS_KEY = "external_annotations"
+
+
+def phase_annotations(
+    marks: Iterable[tuple[int, str, int]], since_us: int, now_us: int, device_index: int
+) -> list[dict[str, Any]]:
+    """MemTrace's phases as torch's ``external_annotations``: a ``START`` and an ``END`` entry per stage of a step.
+
+    Each phase mark ``(step, phase, time_us)`` starts the stage that follows it (:data:`STAGE_AFTER_PHASE`: forward
+    from ``batch_start`` to ``after_forward``, backward, optimizer_step, after_step, validation) and ends the previous
+    one; the last stage ends ``now_us``. ``outside`` is no range. Ranges that end before ``since_us`` are left out.
+    """
+    ordered = sorted((t, phase) for _, phase, t in marks)
+    out: list[dict[str, Any]] = []
+    for k, (start, phase) in enumerate(ordered):
+        try:
+            stage = STAGE_AFTER_PHASE[Phase(phase)]
+        except ValueError:
+            continue
+        end = ordered[k + 1][0] if k + 1 < len(ordered) else now_us
+        if stage is Stage.OUTSIDE or end < since_us:
+            continue
+        for stage_name, t in (("START", start), ("END", max(end, start))):
+            out.append({"name": stage.value, "stage": stage_name, "time_us": t, "device": device_index})
+    return out
+
+
+def _first_time_us(snapshot: dict[str, Any]) -> int:
+    """The time of the oldest event in the snapshot's traces (0 when none has a time)."""
+    times = [
+        e["time_us"]
+        for trace in snapshot.get("device_traces") or []
+        for e in trace[:1]
+        if isinstance(e, dict) and isinstance(e.get("time_us"), int)
+    ]
+    return min(times, default=0)
+
+
+def merge_annotations(snapshot: dict[str, Any], extra: list[dict[str, Any]]) -> None:
+    """Add ``extra`` to the snapshot's ``external_annotations`` (torch's own, if any), ordered by time (in place).
+
+    At equal times the order of the lists is kept: torch's entries first, then ``extra`` in its order (a phase's
+    ``END`` before the next one's ``START``).
+    """
+    existing = snapshot.get(ANNOTATIONS_KEY)
+    merged = [a for a in existing if isinstance(a, dict)] if isinstance(existing, list) else []
+    merged.extend(extra)
+    merged.sort(key=lambda a: a["time_us"] if isinstance(a.get("time_us"), int) else 0)
+    snapshot[ANNOTATIONS_KEY] = merged
 
 
 def cuda_allocated(device: torch.device) -> int:
@@ -129,12 +181,23 @@ class HistoryWindow:
         return self.files.write_snapshot(window_snapshot_filename(self.rank, first, last), snapshot)
 
     def snapshot_now(self, since_us: int = 0) -> dict[str, Any]:
-        """The allocator's state now and the history its ring buffer holds (since ``since_us``), memory_viz's format."""
+        """The allocator's state now and the history its ring buffer holds (since ``since_us``), memory_viz's format.
+
+        ``external_annotations`` holds the ``record_function`` ranges (torch's own on CUDA, the tracker's on CPU) and
+        MemTrace's phases (:func:`phase_annotations`), ordered by time.
+        """
+        now_us = time.time_ns() // 1000
+        device_index = self.device.index or 0
         if self.tracker is not None:
-            return self.tracker.snapshot(since_us=since_us, device_index=self.device.index or 0)
-        if self.device.type == "cuda" and cuda_history.cuda_history_supported():
-            return cuda_history.cuda_snapshot()
-        return {"segments": [], "device_traces": []}
+            snapshot = self.tracker.snapshot(since_us=since_us, device_index=device_index)
+        elif self.device.type == "cuda" and cuda_history.cuda_history_supported():
+            snapshot = cuda_history.cuda_snapshot()
+        else:
+            snapshot = {"segments": [], "device_traces": []}
+        # Phases before the oldest event the snapshot holds (a step snapshot after a long run) are left out.
+        since_us = max(since_us, _first_time_us(snapshot))
+        merge_annotations(snapshot, phase_annotations(self.phase_marks, since_us, now_us, device_index))
+        return snapshot
 
     def header(self, first: int, last: int, since_us: int) -> dict[str, Any]:
         """MemTrace's part of a snapshot (``snapshot["memtrace"]``)."""

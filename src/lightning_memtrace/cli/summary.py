@@ -146,6 +146,91 @@ def findings_table(findings: list[Any]) -> Any:
     return table
 
 
+#: Annotated ranges the summary lists (the report lists more).
+MAX_ANNOTATED_RANGES = 40
+
+
+def _duration(us: int | None) -> str:
+    if us is None:
+        return "open"
+    return f"{us / 1000:.1f} ms" if us >= 100 else f"{us} µs"
+
+
+def annotations_table(dev: Any, max_rows: int = MAX_ANNOTATED_RANGES) -> Any | None:
+    """The device's annotated ranges (torch's ``external_annotations``: ``record_function`` ranges, MemTrace's
+    phases): live bytes at each START and END, the peak inside and its largest categories; None when it has none."""
+    from rich.markup import escape
+
+    from lightning_memtrace.analysis.annotations import annotated_ranges
+    from lightning_memtrace.types import category_label
+
+    ranges = annotated_ranges(dev)
+    if not ranges:
+        return None
+    rows = []
+    for r in ranges[:max_rows]:
+        top = ", ".join(f"{category_label(c)} {format_bytes(b)}" for c, b in list(r.by_category.items())[:3])
+        rows.append(
+            [
+                escape("  " * min(r.depth, 6) + r.name + ("" if r.start_us is not None else " (started before)")),
+                str(r.step) if r.step >= 0 else "",
+                _duration(r.duration_us),
+                format_bytes(r.start_live_bytes),
+                format_bytes(r.end_live_bytes),
+                format_bytes(r.peak_bytes),
+                f"{r.peak_bytes:,}",
+                top,
+            ]
+        )
+    columns = [
+        ("range", "left"),
+        ("step", "right"),
+        ("duration", "right"),
+        ("at START", "right"),
+        ("at END", "right"),
+        ("peak inside", "right"),
+        ("exact", "right"),
+        ("largest categories at that peak", "left"),
+    ]
+    more = len(ranges) - max_rows
+    caption = f"{more:,} more ranges: see memtrace report" if more > 0 else None
+    return _table("annotations (annotated ranges)", columns, rows, caption=caption)
+
+
+def compile_context_table(dev: Any) -> Any | None:
+    """Live bytes at the peak by ``torch.compile`` context (CUDA events recorded with ``compile_context``), with
+    each context's largest site; None when the events carry no compile context."""
+    from rich.markup import escape
+
+    from lightning_memtrace.analysis.annotations import compile_context_sites
+    from lightning_memtrace.types import category_label
+
+    groups = compile_context_sites(dev, max_sites=1)
+    if not groups:
+        return None
+    rows = [
+        [
+            escape(g["compile_context"] or "(not compiled / before the trace)"),
+            format_bytes(g["bytes"]),
+            f"{g['bytes']:,}",
+            f"{g['count']:,}",
+            escape(f"{g['sites'][0]['site']} ({category_label(g['sites'][0]['category'])})") if g["sites"] else "",
+        ]
+        for g in groups
+    ]
+    columns = [("compile context", "left"), ("bytes", "right"), ("exact", "right"), ("count", "right")]
+    return _table("live at the peak, by compile context", [*columns, ("largest site", "left")], rows)
+
+
+def print_annotations(out: Any, main: Any) -> None:
+    """The annotations table (and the compile-context table) of the main snapshot's main device, where it has them."""
+    if main is None:
+        return
+    for table in (annotations_table(main.replay.main), compile_context_table(main.replay.main)):
+        if table is not None:
+            out.print(table)
+
+
 def print_source(out: Any, source: Any, sites: int) -> None:
     """One run's tables: the peak, categories, sites, ranks, per-phase peaks and findings."""
     from lightning_memtrace.analysis.findings import compute_findings, compute_findings_phases_only
@@ -171,6 +256,7 @@ def print_source(out: Any, source: Any, sites: int) -> None:
     if source.phases is not None:
         out.print(phases_table(source.phases))
     out.print(findings_table(findings))
+    print_annotations(out, source.main)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -9,6 +9,7 @@ from typing import Any
 
 import pandas as pd
 
+from lightning_memtrace.analysis.annotations import annotated_ranges, annotation_rows, compile_context_sites
 from lightning_memtrace.analysis.categories import INFERENCE_RULES
 from lightning_memtrace.analysis.findings import Finding, compute_findings, compute_findings_phases_only
 from lightning_memtrace.analysis.ranks import RankOverview, add_rank_finding, rank_overview
@@ -27,7 +28,11 @@ from lightning_memtrace.report.html import (
 )
 from lightning_memtrace.report.png import write_png
 from lightning_memtrace.report.style import CSS, esc
+from lightning_memtrace.types import category_label
 from lightning_memtrace.units import format_bytes, format_bytes_exact
+
+#: Annotated ranges the report lists (a long window of many steps has several per step).
+MAX_REPORT_RANGES = 500
 
 
 @dataclasses.dataclass
@@ -111,6 +116,64 @@ def _snapshot_sections(page: _Page, main: LoadedSnapshot, source: ReportSource, 
     )
     page.sections.append(_peak_section(view))
     page.sections.append("<h2>Largest allocation sites at the peak</h2>" + sites_table(view))
+    _annotations_section(page, dev)
+    _compile_context_section(page, dev)
+
+
+def _compile_context_section(page: _Page, dev: Any) -> None:
+    """Live bytes at the peak by torch.compile context (CUDA events recorded with ``compile_context``), if any."""
+    groups = compile_context_sites(dev)
+    if not groups:
+        return
+    page.summary["peak_by_compile_context"] = groups
+    rows = [
+        {
+            "compile context": g["compile_context"] or "(not compiled / before the trace)",
+            "bytes": format_bytes_exact(g["bytes"]),
+            "count": f"{g['count']:,}",
+            "largest sites": "; ".join(
+                f"{x['site']} ({category_label(x['category'])}, {format_bytes(x['bytes'])})" for x in g["sites"][:3]
+            ),
+        }
+        for g in groups
+    ]
+    page.sections.append(
+        "<h2>Live at the peak by compile context</h2>" + table(pd.DataFrame(rows), {"bytes", "count"})
+    )
+
+
+def _annotations_section(page: _Page, dev: Any) -> None:
+    """"Annotated ranges": the snapshot's ``external_annotations`` (``record_function`` ranges, MemTrace's phases),
+    each START/END pair with the live bytes at both ends and the peak inside; and both in the JSON summary."""
+    ranges = annotated_ranges(dev)
+    if not ranges:
+        return
+    page.summary["annotations"] = annotation_rows(dev)
+    page.summary["annotated_ranges"] = [r.as_dict() for r in ranges]
+    rows = [
+        {
+            "range": "\u00a0\u00a0" * min(r.depth, 6) + r.name + ("" if r.start_us is not None else " (started before)"),
+            "step": "" if r.step < 0 else r.step,
+            "duration": "open" if r.duration_us is None else f"{r.duration_us / 1000:.3f} ms",
+            "at START": format_bytes_exact(r.start_live_bytes),
+            "at END": format_bytes_exact(r.end_live_bytes),
+            "peak inside": format_bytes_exact(r.peak_bytes),
+            "categories at that peak": ", ".join(
+                f"{category_label(c)} {format_bytes(b)}" for c, b in r.by_category.items()
+            ),
+        }
+        for r in ranges[:MAX_REPORT_RANGES]
+    ]
+    more = len(ranges) - MAX_REPORT_RANGES
+    note = f"<p class=\"meta\">{more:,} more ranges are in the JSON summary.</p>" if more > 0 else ""
+    page.sections.append(
+        "<h2>Annotated ranges</h2>"
+        '<p class="meta">The snapshot\'s annotations (torch\'s <code>external_annotations</code>: '
+        "<code>record_function</code> ranges and MemTrace's phases): live bytes at each START and END (after every "
+        "event up to that time) and the highest live bytes inside the range, with its categories.</p>"
+        + table(pd.DataFrame(rows), {"step", "duration", "at START", "at END", "peak inside"})
+        + note
+    )
 
 
 def _phases_only_sections(page: _Page, phases: pd.DataFrame) -> None:
