@@ -15,12 +15,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_memtrace.capture.storages import unique_storages
 from lightning_memtrace.estimator.closed_form import closed_form
 from lightning_memtrace.estimator.fake import fake_copy, fake_mode, outer_modes_paused
 from lightning_memtrace.estimator.inputs import Precision, batch_dims
 from lightning_memtrace.estimator.loop import run_steps
 from lightning_memtrace.estimator.result import Estimate
-from lightning_memtrace.capture.storages import unique_storages
 from lightning_memtrace.types import Phase, PhaseRecord
 
 
@@ -37,6 +37,7 @@ def estimate(
     steps: int = 2,
     copy_module: bool = True,
     prefetch: bool = False,
+    prepare: Callable[[nn.Module], Any] | None = None,
 ) -> Estimate:
     """Estimate the memory of training ``module`` on ``batch`` by running real steps on fake tensors.
 
@@ -71,6 +72,9 @@ def estimate(
             made for the estimate).
         prefetch: Keep the next batch alive during each step, as Lightning's fetcher does for a data loader without
             a length (an iterable dataset) on CPU. Sized loaders are not prefetched.
+        prepare: ``fn(fake_model)`` changing the fake copy in place before checkpointing and the optimizer is built
+            (a what-if remedy: checkpointed blocks, ``requires_grad``). It runs under the fake mode; it should add no
+            parameters (add those to the module before, e.g. on a meta copy).
 
     Returns:
         An :class:`Estimate` with the callback's rows for every estimated batch and the closed-form figures.
@@ -88,6 +92,8 @@ def estimate(
         warnings.simplefilter("ignore")
         model = fake_copy(module, mode, fake_device, precision.param_dtype, in_place=not copy_module)
         model.train()
+        if prepare is not None:
+            _prepare(model, prepare, mode)
         if gradient_checkpointing:
             _enable_gradient_checkpointing(model)
         optimizer = _build_optimizer(model, mode, target, optimizer_factory, lightning)
@@ -201,6 +207,12 @@ def _enable_gradient_checkpointing(model: nn.Module) -> None:
     raise ValueError(
         f"{type(model).__name__} has no gradient_checkpointing_enable(): enable checkpointing in the module"
     )
+
+
+def _prepare(model: nn.Module, prepare: Callable[[nn.Module], Any], mode: Any) -> None:
+    """Run ``prepare`` on the fake model under the fake mode."""
+    with mode:
+        prepare(model)
 
 
 def _checkpointing_on(model: nn.Module) -> bool:
