@@ -370,6 +370,11 @@ class _Engine:
         )
 
 
+#: Errors of a remedy that does not apply to a model (no attention projection, a missing package, an op the fake
+#: mode cannot run): the remedy is skipped with the error's first line.
+_REMEDY_ERRORS = (ValueError, ModuleNotFoundError, RuntimeError, NotImplementedError, TypeError)
+
+
 def _applicable(remedy: Remedy, setup: Setup, devices: int, explicit: bool) -> str | None:
     """Why ``remedy`` is not estimated for ``setup`` (None: it is). ``16-mixed`` is for fp16 hardware: estimated when
     asked for by name or where today's precision is ``16-true``."""
@@ -396,7 +401,7 @@ def _rows(
             continue
         try:
             rows.append(engine.row(remedy, today))
-        except (ValueError, ModuleNotFoundError, RuntimeError, NotImplementedError, TypeError) as error:
+        except _REMEDY_ERRORS as error:
             skipped[remedy.value] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
     return rows, skipped
 
@@ -421,7 +426,10 @@ def _search(engine: _Engine, today: Estimate, rows: Sequence[WhatIfRow]) -> tupl
     best = today
     for remedy in (r for r in helpful if r not in FORMULA_REMEDIES):
         trial = _replacing(chosen, remedy)
-        est = engine.run(base.with_remedies(trial))
+        try:
+            est = engine.run(base.with_remedies(trial))
+        except _REMEDY_ERRORS:
+            continue  # remedies that run alone but not together: leave this one out
         if est.peak_bytes < best.peak_bytes:
             chosen, best = trial, est
         if engine.fits(best.peak_bytes):
