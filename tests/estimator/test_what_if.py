@@ -119,6 +119,17 @@ def test_formulas_shard_model_states_and_keep_activations(lm_what_if):
     assert both < peak and cats["optimizer_state"] == 0
 
 
+def test_adamw_8bit_is_a_formula_without_bitsandbytes(monkeypatch, mlp_what_if):
+    from lightning_memtrace.estimator import remedies
+
+    monkeypatch.setattr(remedies, "adamw_8bit_measured", lambda: False)
+    result = _predict(MLP(batch_size=MLP_BATCH), remedies=["adamw_8bit"])
+    row = result.rows[0]
+    today = result.estimate.category_bytes()[Category.OPTIMIZER_STATE]
+    assert row.kind == "formula" and row.categories["optimizer_state"] == today // 4
+    assert 0 < row.saved_bytes <= today - today // 4
+
+
 def _device_memory_for(usable: int) -> int:
     memory = int((usable + HEADROOM_BYTES) / (1 - HEADROOM_FRACTION))
     while usable_bytes(memory) > usable:

@@ -3,6 +3,7 @@
 Measured remedies re-run the fake-tensor training step with the setup changed (:mod:`.remedies`); formula remedies
 (``fsdp``, ``optimizer_offload``) are closed forms over the measured categories of each row:
 
+- ``adamw_8bit`` where bitsandbytes is missing: AdamW's state at 2 bytes per parameter instead of 8;
 - ``fsdp`` / ``zero3`` over N devices: parameters, gradients and optimizer state divided by N, plus the parameters of
   the largest repeated block gathered whole while it runs; activations unchanged;
 - ``optimizer_offload``: the optimizer state lives on the host (0 on the device).
@@ -301,13 +302,15 @@ def _categories(est: Estimate) -> dict[str, int]:
 
 
 def formula_peak(est: Estimate, remedies: Iterable[Remedy], devices: int, gathered: int) -> tuple[int, dict[str, int]]:
-    """The peak and categories of ``est`` with the formula remedies applied, row by row."""
+    """The peak and categories of ``est`` with the formula remedies applied, row by row (``adamw_8bit`` is one only
+    where bitsandbytes is missing: AdamW's state at 2 bytes per parameter instead of 8)."""
     remedies = set(remedies)
     n = max(1, int(devices)) if Remedy.FSDP in remedies else 1
     offload = Remedy.OPTIMIZER_OFFLOAD in remedies
+    quarter = 4 if Remedy.ADAMW_8BIT in remedies else 1  # 8-bit moments: 2 B/param of state instead of 8
 
     def removed(params: int, grads: int, state: int) -> int:
-        kept_state = 0 if offload else state // n
+        kept_state = 0 if offload else state // quarter // n
         return (params - params // n) + (grads - grads // n) + (state - kept_state) - (gathered if n > 1 else 0)
 
     peak = max(
@@ -317,7 +320,7 @@ def formula_peak(est: Estimate, remedies: Iterable[Remedy], devices: int, gather
     cats = _categories(est)
     cats["parameters"] = cats["parameters"] // n + (gathered if n > 1 else 0)
     cats["gradients"] //= n
-    cats["optimizer_state"] = 0 if offload else cats["optimizer_state"] // n
+    cats["optimizer_state"] = 0 if offload else cats["optimizer_state"] // quarter // n
     return peak, cats
 
 
@@ -357,7 +360,7 @@ class _Engine:
 
     def row(self, remedy: Remedy, today: Estimate) -> WhatIfRow:
         base = self.setup.settings
-        if remedy in FORMULA_REMEDIES:
+        if remedy in formula_remedies():
             peak, cats = self.formula(today, base, [remedy])
             kind, batch = "formula", self.max_micro_batch(base, [remedy])
         else:
@@ -370,6 +373,11 @@ class _Engine:
         )
 
 
+def formula_remedies() -> frozenset[Remedy]:
+    """The remedies computed as closed forms here: sharding and offloading, and ``adamw_8bit`` without bitsandbytes."""
+    return FORMULA_REMEDIES if rm.adamw_8bit_measured() else FORMULA_REMEDIES | {Remedy.ADAMW_8BIT}
+
+
 #: Errors of a remedy that does not apply to a model (no attention projection, a missing package, an op the fake
 #: mode cannot run): the remedy is skipped with the error's first line.
 _REMEDY_ERRORS = (ValueError, ModuleNotFoundError, RuntimeError, NotImplementedError, TypeError)
@@ -380,8 +388,6 @@ def _applicable(remedy: Remedy, setup: Setup, devices: int, explicit: bool) -> s
     asked for by name or where today's precision is ``16-true``."""
     if remedy is Remedy.FSDP and devices < 2:
         return "needs --devices N (N >= 2)"
-    if remedy is Remedy.ADAMW_8BIT and not rm.adamw_8bit_measured():
-        return "needs bitsandbytes"
     if remedy is Remedy.LORA and not rm.available("peft"):
         return "needs peft"
     if remedy is Remedy.FP16_MIXED and not explicit and setup.settings.precision != "16-true":
@@ -424,7 +430,7 @@ def _search(engine: _Engine, today: Estimate, rows: Sequence[WhatIfRow]) -> tupl
     helpful = [Remedy(r.remedy) for r in rows if r.saved_bytes > 0]
     chosen: list[Remedy] = []
     best = today
-    for remedy in (r for r in helpful if r not in FORMULA_REMEDIES):
+    for remedy in (r for r in helpful if r not in formula_remedies()):
         trial = _replacing(chosen, remedy)
         try:
             est = engine.run(base.with_remedies(trial))
@@ -435,7 +441,7 @@ def _search(engine: _Engine, today: Estimate, rows: Sequence[WhatIfRow]) -> tupl
         if engine.fits(best.peak_bytes):
             return chosen, best.peak_bytes
     formula: list[Remedy] = []
-    for remedy in (r for r in helpful if r in FORMULA_REMEDIES):
+    for remedy in (r for r in helpful if r in formula_remedies()):
         formula.append(remedy)
         peak = engine.formula(best, base.with_remedies(chosen), formula)[0]
         if engine.fits(peak):
@@ -470,7 +476,7 @@ def what_if_for_setup(
     combination = None
     if found is not None:
         picked, peak = found
-        kind = "formula" if any(r in FORMULA_REMEDIES for r in picked) else "measured"
+        kind = "formula" if any(r in formula_remedies() for r in picked) else "measured"
         text = snippet(setup, picked, engine.devices)
         combination = Combination(tuple(r.value for r in picked), peak, True, kind, text)
     return WhatIf(today, tuple(rows), skipped, combination, device_memory, engine.devices)
