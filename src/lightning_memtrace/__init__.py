@@ -33,6 +33,11 @@ _EXPORTS = {
     "Estimate": "lightning_memtrace.estimator",
     "ClosedForm": "lightning_memtrace.estimator",
     "InputSpec": "lightning_memtrace.estimator",
+    "what_if": "lightning_memtrace.estimator.what_if",
+    "what_if_result": "lightning_memtrace.estimator.what_if",
+    "what_if_from_config": "lightning_memtrace.estimator.what_if",
+    "WhatIf": "lightning_memtrace.estimator.what_if",
+    "Remedy": "lightning_memtrace.estimator.remedies",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -49,6 +54,8 @@ if TYPE_CHECKING:
         estimate_from_config,
         find_max_batch,
     )
+    from lightning_memtrace.estimator.remedies import Remedy
+    from lightning_memtrace.estimator.what_if import WhatIf, what_if, what_if_from_config, what_if_result
     from lightning_memtrace.capture.config import RecorderConfig
     from lightning_memtrace.analysis.phases import load_phases
     from lightning_memtrace.capture.recorder import MemoryRecorder, MemTraceWarning

@@ -5,10 +5,11 @@ Usage::
     memtrace estimate --config qwen2.5-1.5b.json --batch-size 16 --seq-len 256 --device-memory 80GiB
     memtrace estimate --config path/to/model_folder --seq-len 2048 --precision bf16-mixed \\
         --gradient-checkpointing --device-memory 80GiB --find-max-batch
+    memtrace estimate --config qwen2.5-1.5b.json --batch-size 16 --seq-len 256 --device-memory 24GiB --what-if
 
 The model is built from its Hugging Face config on the meta device and trained for a few steps on fake tensors
 (:func:`lightning_memtrace.estimator.estimate_from_config`). Exit status: 0 when it fits (or no budget was given),
-1 when it does not fit (or no batch size fits), 2 on an error (one line ``memtrace: error: ...`` on stderr).
+1 when it does not fit (or no batch size fits; with ``--what-if``: when today's setup does not fit), 2 on an error (one line ``memtrace: error: ...`` on stderr).
 
 Standalone: ``python -m lightning_memtrace.cli.estimate --config ...``.
 """
@@ -33,6 +34,21 @@ OPTIMIZERS = {
     "sgd": "SGD with momentum 0.9 (1 state tensor per parameter)",
     "sgd-plain": "SGD without momentum (no state)",
 }
+#: ``--remedies`` choices (the values of ``estimator.remedies.Remedy``, kept here so that the parser does not import
+#: torch); ``zero3`` is read as ``fsdp``.
+REMEDIES = (
+    "optimizer_foreach_off",
+    "bf16-mixed",
+    "16-mixed",
+    "adamw_8bit",
+    "half_micro_batch",
+    "gradient_checkpointing",
+    "adafactor",
+    "bf16-true",
+    "optimizer_offload",
+    "fsdp",
+    "lora",
+)
 PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "bf16-true", "16-true")
 #: ``--attn-implementation`` choices (transformers' names); without the option, transformers' default for the model.
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
@@ -92,7 +108,33 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         default=4096,
         help="upper end of the --find-max-batch search (default 4096)",
     )
+    parser.add_argument(
+        "--what-if",
+        action="store_true",
+        help="estimate again with each remedy applied (precision, checkpointing, optimizers, LoRA, sharding...) and "
+        "search the cheapest combination that fits --device-memory",
+    )
+    parser.add_argument(
+        "--devices", type=positive_int, default=1, help="N for the fsdp/zero3 remedy of --what-if (default 1: none)"
+    )
+    parser.add_argument(
+        "--remedies",
+        type=_remedy_list,
+        default=None,
+        help="comma-separated remedies for --what-if (default all): " + ", ".join(REMEDIES),
+    )
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
+
+
+def _remedy_list(text: str) -> list[str]:
+    names = [name.strip().lower() for name in text.split(",") if name.strip()]
+    names = ["fsdp" if name in ("zero3", "zero-3") else name for name in names]
+    unknown = [name for name in names if name not in REMEDIES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown remedy {', '.join(unknown) or repr(text)}; use {', '.join(REMEDIES)}"
+        )
+    return names
 
 
 def add_estimate_subcommand(subparsers: Any) -> argparse.ArgumentParser:
@@ -118,31 +160,25 @@ def run_estimate(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> None:
+    if args.what_if and args.batch_size is None:
+        raise ValueError("--what-if needs --batch-size")
     if args.batch_size is None and not args.find_max_batch:
         raise ValueError("--batch-size is required (or use --find-max-batch with --device-memory)")
     if args.find_max_batch and args.device_memory is None:
         raise ValueError("--find-max-batch needs --device-memory")
+    if (args.devices > 1 or args.remedies) and not args.what_if:
+        raise ValueError("--devices and --remedies go with --what-if")
 
 
 def _compute(args: argparse.Namespace) -> tuple[Any, Any]:
     """The estimate to show (None when no batch size fits) and the search (None without ``--find-max-batch``)."""
     import warnings
 
-    from lightning_memtrace.estimator import (
-        AttentionUnavailableError,
-        build_meta_model,
-        estimate_from_config,
-        find_max_batch,
-    )
+    from lightning_memtrace.estimator import estimate_from_config, find_max_batch
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        try:
-            model = build_meta_model(args.config, args.attn_implementation)
-        except AttentionUnavailableError:
-            raise
-        except (OSError, ValueError) as error:
-            raise ValueError(f"cannot read the model config {args.config!r}: {str(error).splitlines()[0]}") from None
+        model = _meta_model(args)
 
         def run(batch_size: int) -> Any:
             options = {name: getattr(args, name) for name in _ESTIMATE_OPTIONS}
@@ -217,8 +253,51 @@ def _print_text(args: argparse.Namespace, shown: Any, search: Any, fits: bool | 
     print("estimate of allocated bytes; on CUDA leave room for the context, cuBLAS workspace and fragmentation")
 
 
+def _meta_model(args: argparse.Namespace) -> Any:
+    from lightning_memtrace.estimator import AttentionUnavailableError, build_meta_model
+
+    try:
+        return build_meta_model(args.config, args.attn_implementation)
+    except AttentionUnavailableError:
+        raise
+    except (OSError, ValueError) as error:
+        raise ValueError(f"cannot read the model config {args.config!r}: {str(error).splitlines()[0]}") from None
+
+
+def _run_what_if(args: argparse.Namespace) -> int:
+    """``--what-if``: today's estimate, each remedy's, the cheapest combination; exit 1 when today's does not fit."""
+    import warnings
+
+    from lightning_memtrace.estimator.what_if import what_if_from_config
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = what_if_from_config(
+            args.config,
+            args.batch_size,
+            args.seq_len,
+            model=_meta_model(args),
+            device_memory=args.device_memory,
+            devices=args.devices,
+            remedies=args.remedies,
+            max_batch=args.find_max_batch,
+            max_batch_size=args.max_batch_size,
+            **{name: getattr(args, name) for name in _ESTIMATE_OPTIONS},
+        )
+    shown = result.estimate
+    fits = result.today_fits
+    if args.json:
+        print(json.dumps({**result.as_dict(), "fits": fits}, indent=2))
+    else:
+        print(shown.table())
+        print(result.table())
+    return NOT_FIT_EXIT if fits is False else 0
+
+
 def _run(args: argparse.Namespace) -> int:
     _check(args)
+    if args.what_if:
+        return _run_what_if(args)
     shown, search = _compute(args)
     fits = shown.fits(args.device_memory) if shown is not None and args.device_memory is not None else None
     (_print_json if args.json else _print_text)(args, shown, search, fits)

@@ -29,7 +29,9 @@ Modules, in the order the data flows:
 - ``run``: :func:`estimate` and :func:`estimate_for_module`;
 - ``config``: a Hugging Face causal LM from its config on the meta device, :func:`estimate_from_config`;
 - ``closed_form``: the textbook figures; ``result``: :class:`Estimate`, its table and JSON;
-- ``search``: :func:`find_max_batch`; ``compare``: an estimate beside a real run.
+- ``search``: :func:`find_max_batch`; ``compare``: an estimate beside a real run;
+- ``remedies``: what-if remedies (:class:`~.remedies.Remedy`), their prices and how each is applied;
+- ``what_if``: each remedy estimated, the cheapest combination that fits (:func:`~.what_if.what_if`).
 """
 
 from __future__ import annotations

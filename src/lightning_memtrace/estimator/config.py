@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -150,6 +150,8 @@ def estimate_from_config(
     model: nn.Module | None = None,
     attn_implementation: str | None = None,
     fsdp: int = 1,
+    optimizer_factory: Callable[[nn.Module], Any] | None = None,
+    prepare: Callable[[nn.Module], Any] | None = None,
 ) -> Estimate:
     """Estimate a Hugging Face causal LM from its config alone (a dict, a ``config.json``, a folder or a hub id).
 
@@ -175,6 +177,9 @@ def estimate_from_config(
             attention is kept.
         attn_implementation: ``eager``, ``sdpa``... for the model built here; None: transformers' default for it.
         fsdp: Ranks to shard over with FSDP2 (each decoder layer, then the root); the estimate is rank zero's.
+        model: A meta model built before (from :func:`build_meta_model`), to reuse across batch sizes.
+        optimizer_factory: ``factory(fake_model) -> optimizer`` in place of ``optimizer`` (a what-if remedy's).
+        prepare: ``fn(fake_model)`` run on the fake copy before the optimizer is built (see :func:`estimate`).
     """
     name = OptimizerName(str(optimizer).lower())
     precision = Precision.parse(precision)
@@ -193,11 +198,12 @@ def estimate_from_config(
     return estimate(
         built,
         lm_batch(batch_size, seq_len),
-        optimizer_factory=factory,
+        optimizer_factory=optimizer_factory or factory,
         precision=precision,
         accumulate_grad_batches=accumulate_grad_batches,
         gradient_checkpointing=gradient_checkpointing,
         device=device,
         steps=steps,
         world_size=fsdp,
+        prepare=prepare,
     )

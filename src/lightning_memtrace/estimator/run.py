@@ -19,13 +19,13 @@ import torch
 from torch import Tensor, nn
 
 from lightning_memtrace.estimator.attention import attention_label, attn_implementation, sdpa_watched
+from lightning_memtrace.capture.storages import unique_storages
 from lightning_memtrace.estimator.closed_form import closed_form
 from lightning_memtrace.estimator.fake import fake_copy, fake_mode, outer_modes_paused
 from lightning_memtrace.estimator.inputs import Precision, batch_dims
 from lightning_memtrace.estimator.loop import run_steps
 from lightning_memtrace.estimator.result import Estimate
 from lightning_memtrace.estimator.sharded import check_world_size, fake_world, shard_like_the_run, sharding_label
-from lightning_memtrace.capture.storages import unique_storages
 from lightning_memtrace.types import Phase, PhaseRecord
 
 
@@ -43,6 +43,7 @@ def estimate(
     copy_module: bool = True,
     prefetch: bool = False,
     world_size: int = 1,
+    prepare: Callable[[nn.Module], Any] | None = None,
 ) -> Estimate:
     """Estimate the memory of training ``module`` on ``batch`` by running real steps on fake tensors.
 
@@ -81,6 +82,9 @@ def estimate(
             a length (an iterable dataset) on CPU. Sized loaders are not prefetched.
         world_size: Above 1, the run is sharded with FSDP2 over that many ranks (each repeated block, then the root,
             ``fully_shard``-ed over torch's fake process group in this process) and rank zero is measured.
+        prepare: ``fn(fake_model)`` changing the fake copy in place before checkpointing and the optimizer is built
+            (a what-if remedy: checkpointed blocks, ``requires_grad``). It runs under the fake mode; it should add no
+            parameters (add those to the module before, e.g. on a meta copy).
 
     Returns:
         An :class:`Estimate` with the callback's rows for every estimated batch and the closed-form figures.
@@ -100,6 +104,8 @@ def estimate(
         warnings.simplefilter("ignore")
         model = fake_copy(module, mode, fake_device, precision.param_dtype, in_place=not copy_module)
         model.train()
+        if prepare is not None:
+            _prepare(model, prepare, mode)
         if gradient_checkpointing:
             _enable_gradient_checkpointing(model)
         blocks = shard_like_the_run(model, mesh) if mesh is not None else 0
@@ -228,6 +234,12 @@ def _enable_gradient_checkpointing(model: nn.Module) -> None:
     raise ValueError(
         f"{type(model).__name__} has no gradient_checkpointing_enable(): enable checkpointing in the module"
     )
+
+
+def _prepare(model: nn.Module, prepare: Callable[[nn.Module], Any], mode: Any) -> None:
+    """Run ``prepare`` on the fake model under the fake mode."""
+    with mode:
+        prepare(model)
 
 
 def _checkpointing_on(model: nn.Module) -> bool:

@@ -1,0 +1,369 @@
+"""What-if remedies: what each one changes in a training setup, what it usually costs, and how it is applied.
+
+Each :class:`Remedy` has a stable identifier (its value), a price (:data:`PRICES`, one short phrase) and a kind:
+``measured`` remedies change the setup (:class:`Settings`) and the estimate runs again on fake tensors;
+``formula`` remedies (:data:`FORMULA_REMEDIES`: sharding and offloading, which one process cannot run) are closed
+forms over the measured categories (see :mod:`lightning_memtrace.estimator.what_if`).
+
+The functions that change a model (:func:`apply_lora`, :func:`enable_checkpointing`) and build an optimizer
+(:func:`build_optimizer`) are the ones the estimate uses on its fake copy; call them on a real module to train with
+the remedy the prediction assumed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_memtrace.types import TextEnum
+
+
+class Remedy(TextEnum):
+    """The remedies, in order of price: the cheapest first (the combination search tries them in this order)."""
+
+    OPTIMIZER_FOREACH_OFF = "optimizer_foreach_off"
+    BF16_MIXED = "bf16-mixed"
+    FP16_MIXED = "16-mixed"
+    ADAMW_8BIT = "adamw_8bit"
+    HALF_MICRO_BATCH = "half_micro_batch"
+    GRADIENT_CHECKPOINTING = "gradient_checkpointing"
+    ADAFACTOR = "adafactor"
+    BF16_TRUE = "bf16-true"
+    OPTIMIZER_OFFLOAD = "optimizer_offload"
+    FSDP = "fsdp"
+    LORA = "lora"
+
+    @classmethod
+    def parse(cls, value: str | Remedy) -> Remedy:
+        """A remedy from its identifier; ``zero3`` is another name for ``fsdp`` (full sharding)."""
+        text = str(getattr(value, "value", value)).strip().lower().replace("_", "-")
+        for remedy in cls:
+            if remedy.value.replace("_", "-") == text:
+                return remedy
+        if text in ("zero3", "zero-3"):
+            return cls.FSDP
+        raise ValueError(f"unknown remedy {value!r}; use one of {', '.join(r.value for r in cls)}")
+
+
+#: Each remedy's usual cost, in one short phrase.
+PRICES: dict[Remedy, str] = {
+    Remedy.OPTIMIZER_FOREACH_OFF: "a slightly slower optimizer step",
+    Remedy.BF16_MIXED: "none on bf16 hardware (usually faster)",
+    Remedy.FP16_MIXED: "loss scaling; overflow risk",
+    Remedy.ADAMW_8BIT: "8-bit optimizer moments (needs bitsandbytes)",
+    Remedy.HALF_MICRO_BATCH: "twice the micro-steps per optimizer step",
+    Remedy.GRADIENT_CHECKPOINTING: "one extra forward per step (~30% slower)",
+    Remedy.ADAFACTOR: "a different optimizer (factored 2nd moment, no momentum)",
+    Remedy.BF16_TRUE: "bf16 weights and updates (precision loss)",
+    Remedy.OPTIMIZER_OFFLOAD: "optimizer step on the CPU, host traffic every step",
+    Remedy.FSDP: "N devices, all-gathers every layer's weights each step",
+    Remedy.LORA: "trains adapters only (r=16), not the full model",
+}
+
+#: Remedies one process cannot run: closed forms over the measured categories.
+FORMULA_REMEDIES = frozenset({Remedy.OPTIMIZER_OFFLOAD, Remedy.FSDP})
+#: Remedies that change the precision, and the precision each sets.
+PRECISION_REMEDIES = {Remedy.BF16_MIXED: "bf16-mixed", Remedy.FP16_MIXED: "16-mixed", Remedy.BF16_TRUE: "bf16-true"}
+#: LoRA's rank and the attention projections it adapts (the last part of a module's name).
+LORA_RANK = 16
+LORA_TARGETS = frozenset(
+    {"q_proj", "k_proj", "v_proj", "o_proj", "c_attn", "query_key_value", "qkv_proj", "Wqkv", "query", "key", "value"}
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The knobs of a training setup that the measured remedies turn.
+
+    Attributes:
+        precision: Lightning's precision.
+        batch_size: The micro-batch size (None where the batch has no first dimension to halve).
+        accumulate_grad_batches: Micro-batches per optimizer step.
+        gradient_checkpointing: Non-reentrant activation checkpointing.
+        optimizer: ``None`` for the setup's own optimizer, else ``adafactor`` or ``adamw_8bit``.
+        foreach_off: The optimizer's multi-tensor (foreach) kernels turned off.
+        lora: LoRA adapters on the attention projections, the base frozen.
+    """
+
+    precision: str = "32-true"
+    batch_size: int | None = None
+    accumulate_grad_batches: int = 1
+    gradient_checkpointing: bool = False
+    optimizer: str | None = None
+    foreach_off: bool = False
+    lora: bool = False
+
+    def with_remedy(self, remedy: Remedy | str) -> Settings:
+        """These settings with ``remedy`` applied (formula remedies leave them as they are)."""
+        remedy = Remedy.parse(remedy)
+        if remedy in PRECISION_REMEDIES:
+            return dataclasses.replace(self, precision=PRECISION_REMEDIES[remedy])
+        if remedy is Remedy.HALF_MICRO_BATCH and self.batch_size:
+            return dataclasses.replace(
+                self, batch_size=self.batch_size // 2, accumulate_grad_batches=2 * self.accumulate_grad_batches
+            )
+        changes: dict[Remedy, dict[str, Any]] = {
+            Remedy.GRADIENT_CHECKPOINTING: {"gradient_checkpointing": True},
+            Remedy.OPTIMIZER_FOREACH_OFF: {"foreach_off": True},
+            Remedy.ADAFACTOR: {"optimizer": "adafactor"},
+            Remedy.ADAMW_8BIT: {"optimizer": "adamw_8bit"},
+            Remedy.LORA: {"lora": True},
+        }
+        return dataclasses.replace(self, **changes.get(remedy, {}))
+
+    def with_remedies(self, remedies: Iterable[Remedy | str]) -> Settings:
+        """These settings with every remedy applied, in order."""
+        out = self
+        for remedy in remedies:
+            out = out.with_remedy(remedy)
+        return out
+
+
+def not_applicable(remedy: Remedy, settings: Settings) -> str | None:
+    """Why ``remedy`` does not apply to ``settings`` (one phrase), or None where it does."""
+    if remedy in PRECISION_REMEDIES:
+        target = PRECISION_REMEDIES[remedy]
+        if settings.precision == target:
+            return f"already {target}"
+        if settings.precision in ("bf16-true", "16-true") or (
+            remedy is not Remedy.BF16_TRUE and "mixed" in settings.precision
+        ):
+            return f"already {settings.precision}"
+        return None
+    reasons = {
+        Remedy.HALF_MICRO_BATCH: (settings.batch_size or 0) < 2 and "a micro-batch of 1 cannot be halved",
+        Remedy.GRADIENT_CHECKPOINTING: settings.gradient_checkpointing and "already on",
+        Remedy.OPTIMIZER_FOREACH_OFF: settings.foreach_off and "already off",
+        Remedy.ADAFACTOR: settings.optimizer == "adafactor" and "already Adafactor",
+        Remedy.ADAMW_8BIT: settings.optimizer == "adamw_8bit" and "already 8-bit",
+        Remedy.LORA: settings.lora and "already LoRA",
+    }
+    return reasons.get(remedy) or None
+
+
+# ------------------------------------------------------------------------------------------------ optional packages
+def available(module: str) -> bool:
+    """Whether an optional package imports (``peft``, ``bitsandbytes``)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def adamw_8bit_measured() -> bool:
+    """Whether 8-bit AdamW runs for real here (bitsandbytes installed); else it is a closed form."""
+    return available("bitsandbytes")
+
+
+# ------------------------------------------------------------------------------------------------ the model
+def lora_targets(model: nn.Module) -> list[str]:
+    """The names (last part) of the attention projections in ``model`` that LoRA adapts."""
+    found = set()
+    for name, sub in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in LORA_TARGETS and hasattr(sub, "weight") and not list(sub.children()):
+            found.add(leaf)
+    return sorted(found)
+
+
+def apply_lora(model: nn.Module, rank: int = LORA_RANK) -> nn.Module:
+    """PEFT LoRA (rank ``rank``, alpha ``2·rank``) on the attention projections, in place; the base frozen.
+
+    Raises:
+        ModuleNotFoundError: peft is not installed.
+        ValueError: no attention projection in the model.
+    """
+    from peft import LoraConfig, inject_adapter_in_model
+
+    targets = lora_targets(model)
+    if not targets:
+        raise ValueError(f"no attention projection ({', '.join(sorted(LORA_TARGETS))}) in {type(model).__name__}")
+    for param in model.parameters():
+        param.requires_grad_(False)
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=targets)
+    return inject_adapter_in_model(config, model)
+
+
+def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """The children of the largest ``nn.ModuleList`` (else ``nn.Sequential``) by parameters: the repeated blocks."""
+
+    def size(container: nn.Module) -> int:
+        return sum(p.numel() for p in container.parameters())
+
+    for kind, least in ((nn.ModuleList, 1), (nn.Sequential, 2)):
+        containers = [m for m in model.modules() if type(m) is kind and len(m) >= least]
+        if containers:
+            return list(max(containers, key=size))
+    return []
+
+
+def enable_checkpointing(model: nn.Module) -> nn.Module:
+    """Non-reentrant activation checkpointing, in place: Hugging Face's ``gradient_checkpointing_enable`` where the
+    model has it, else each repeated block (:func:`repeated_blocks`) runs under ``torch.utils.checkpoint``.
+
+    Raises:
+        ValueError: neither a Hugging Face model nor repeated blocks to wrap.
+    """
+    from lightning_memtrace.estimator.run import _enable_gradient_checkpointing
+
+    try:
+        _enable_gradient_checkpointing(model)
+        return model
+    except ValueError:
+        pass
+    blocks = repeated_blocks(model)
+    if not blocks:
+        raise ValueError(f"{type(model).__name__} has no gradient_checkpointing_enable() and no repeated blocks")
+    for block in blocks:
+        block.forward = functools.partial(_checkpointed, block.forward)
+    return model
+
+
+def meta_copy(module: nn.Module) -> nn.Module:
+    """A deep copy of ``module`` with every parameter and buffer on the meta device (nothing real allocated)."""
+    from lightning_memtrace.estimator.fake import _deep_copy
+
+    memo: dict[int, Any] = {}
+    for param in module.parameters():
+        if id(param) not in memo:
+            memo[id(param)] = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+    for buffer in module.buffers():
+        if id(buffer) not in memo:
+            memo[id(buffer)] = torch.empty_like(buffer, device="meta")
+    return _deep_copy(module, memo)
+
+
+def module_for(module: nn.Module, settings: Settings) -> nn.Module:
+    """The module the estimate copies for ``settings``: ``module`` itself, or a meta copy with LoRA applied (new
+    parameters must exist before the copy onto fake tensors, which then casts them with the rest)."""
+    return apply_lora(meta_copy(module)) if settings.lora else module
+
+
+def prepare_for(settings: Settings) -> Callable[[nn.Module], Any] | None:
+    """What the estimate does to its fake copy for ``settings`` (checkpointing), or None."""
+    return enable_checkpointing if settings.gradient_checkpointing else None
+
+
+# ------------------------------------------------------------------------------------------------ the optimizer
+def _adamw_8bit_class(fake: bool) -> type:
+    import bitsandbytes as bnb
+
+    if not fake:
+        return bnb.optim.AdamW8bit
+
+    class AdamW8bit(bnb.optim.AdamW8bit):
+        """bitsandbytes' AdamW8bit whose quantization maps are shapes only (their values need real tensors)."""
+
+        def fill_qmap(self) -> None:
+            self.name2qmap["dynamic"] = torch.empty(256)
+            self.name2qmap["udynamic"] = torch.empty(256)
+
+    return AdamW8bit
+
+
+def _adafactor_class() -> type:
+    from transformers.optimization import Adafactor as HFAdafactor
+
+    class Adafactor(HFAdafactor):
+        """transformers' Adafactor whose closure runs with gradients on (Lightning passes the forward and backward as
+        the closure; transformers' ``step`` would run it under ``no_grad``)."""
+
+        def step(self, closure: Callable[[], Any] | None = None) -> Any:
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            super().step()
+            return loss
+
+    return Adafactor
+
+
+def build_optimizer(name: str, params: Iterable[torch.Tensor], lr: float = 1e-3, fake: bool = False) -> Any:
+    """The remedy's optimizer on ``params``: ``adafactor`` (transformers' Adafactor, fixed ``lr``, no momentum) or
+    ``adamw_8bit`` (bitsandbytes' AdamW8bit). ``fake``: for fake parameters (the estimate)."""
+    params = [p for p in params if p.requires_grad]
+    if name == "adafactor":
+        return _adafactor_class()(params, lr=lr, scale_parameter=False, relative_step=False, warmup_init=False)
+    if name == "adamw_8bit":
+        return _adamw_8bit_class(fake)(params, lr=lr)
+    raise ValueError(f"unknown optimizer {name!r}")
+
+
+def foreach_off(optimizer: Any) -> Any:
+    """The optimizer with its multi-tensor kernels turned off (``foreach=False`` in every group)."""
+    for group in getattr(optimizer, "param_groups", []):
+        if "foreach" in group:
+            group["foreach"] = False
+    return optimizer
+
+
+def optimizer_factory_for(
+    settings: Settings, base: Callable[[nn.Module], Any], lr: float = 1e-3
+) -> Callable[[nn.Module], Any]:
+    """The optimizer factory for ``settings`` on fake models: ``base`` (the setup's own), or the remedy's optimizer;
+    foreach turned off where asked."""
+    from lightning_memtrace.estimator.run import _first_optimizer
+
+    def factory(model: nn.Module) -> Any:
+        if settings.optimizer is not None:
+            optimizer = build_optimizer(settings.optimizer, model.parameters(), lr=lr, fake=True)
+        else:
+            optimizer = _first_optimizer(base(model))
+        return foreach_off(optimizer) if settings.foreach_off else optimizer
+
+    return factory
+
+
+# ------------------------------------------------------------------------------------------------ a real module
+def apply_remedies(
+    module: nn.Module, remedies: Iterable[Remedy | str], settings: Settings, lr: float = 1e-3
+) -> Settings:
+    """Apply measured remedies to a real LightningModule in place, as the prediction assumed them: LoRA, then
+    checkpointing, then the optimizer (``configure_optimizers`` replaced on the instance).
+
+    Args:
+        module: The LightningModule to train (changed in place).
+        remedies: Remedy identifiers (formula remedies are left to the Trainer's strategy).
+        settings: Today's settings.
+        lr: The learning rate of a replaced optimizer.
+
+    Returns:
+        The new settings: pass ``precision`` and ``accumulate_grad_batches`` to the Trainer and ``batch_size`` to the
+        DataLoader.
+    """
+    import types
+
+    picked = [Remedy.parse(r) for r in remedies]
+    new = settings.with_remedies(picked)
+    if new.lora and not settings.lora:
+        apply_lora(module)
+    if new.gradient_checkpointing and not settings.gradient_checkpointing:
+        enable_checkpointing(module)
+    if new.optimizer is not None or new.foreach_off:
+        original = module.configure_optimizers
+
+        def configure_optimizers(self: nn.Module) -> Any:
+            from lightning_memtrace.estimator.run import _first_optimizer
+
+            if new.optimizer is not None:
+                optimizer = build_optimizer(new.optimizer, self.parameters(), lr=lr)
+            else:
+                optimizer = _first_optimizer(original())
+            return foreach_off(optimizer) if new.foreach_off else optimizer
+
+        module.configure_optimizers = types.MethodType(configure_optimizers, module)
+    return new
