@@ -55,7 +55,11 @@ def test_what_if_json(capsys, one_layer):
     assert rows["bf16-true"]["peak_bytes"] == true16.peak_bytes
     assert rows["bf16-true"]["saved_bytes"] == today.peak_bytes - true16.peak_bytes
     assert rows["bf16-true"]["parameters_bytes"] == true16.category_bytes()["parameters"]
-    assert {rows[name]["kind"] for name in ("optimizer_offload", "fsdp")} == {"formula"}
+    assert rows["optimizer_offload"]["kind"] == "formula"
+    # fsdp is measured: FSDP2 over 2 ranks of torch's fake process group, rank 0's peak (the CLI's --fsdp 2)
+    sharded = estimate_from_config(one_layer, 4, 64, device="cpu", model=model, fsdp=2)
+    assert rows["fsdp"]["kind"] == "measured" and rows["fsdp"]["peak_bytes"] == sharded.peak_bytes
+    assert rows["fsdp"]["parameters_bytes"] == sharded.category_bytes()["parameters"] < today.category_bytes()["parameters"]
     assert set(rows["adafactor"]) >= {"remedy", "peak_bytes", "saved_bytes", "fits", "max_micro_batch", "kind", "price"}
     combo = data["combination"]
     assert combo["fits"] and combo["peak_bytes"] <= data["usable_bytes"] and combo["remedies"]

@@ -270,6 +270,8 @@ def _run_what_if(args: argparse.Namespace) -> int:
 
     from lightning_memtrace.estimator.what_if import what_if_from_config
 
+    if args.fsdp > 1:
+        raise ValueError("--what-if compares remedies for one device: give the fsdp remedy its devices with --devices N")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         result = what_if_from_config(
@@ -282,7 +284,7 @@ def _run_what_if(args: argparse.Namespace) -> int:
             remedies=args.remedies,
             max_batch=args.find_max_batch,
             max_batch_size=args.max_batch_size,
-            **{name: getattr(args, name) for name in _ESTIMATE_OPTIONS},
+            **{name: getattr(args, name) for name in _ESTIMATE_OPTIONS if name != "fsdp"},
         )
     shown = result.estimate
     fits = result.today_fits

@@ -66,7 +66,9 @@ PRICES: dict[Remedy, str] = {
 }
 
 #: Remedies one process cannot run: closed forms over the measured categories.
-FORMULA_REMEDIES = frozenset({Remedy.OPTIMIZER_OFFLOAD, Remedy.FSDP})
+FORMULA_REMEDIES = frozenset({Remedy.OPTIMIZER_OFFLOAD})
+#: Computed as a closed form only where this torch cannot shard an estimate (no ``torch.distributed``).
+SHARDING_FORMULA = frozenset({Remedy.FSDP})
 #: Remedies that change the precision, and the precision each sets.
 PRECISION_REMEDIES = {Remedy.BF16_MIXED: "bf16-mixed", Remedy.FP16_MIXED: "16-mixed", Remedy.BF16_TRUE: "bf16-true"}
 #: LoRA's rank and the attention projections it adapts (the last part of a module's name).
@@ -97,12 +99,18 @@ class Settings:
     optimizer: str | None = None
     foreach_off: bool = False
     lora: bool = False
+    #: Ranks the estimate shards over (FSDP2 over torch's fake process group; 1: unsharded).
+    world_size: int = 1
+    #: The N that the ``fsdp`` remedy shards over (the what-if's ``devices``).
+    fsdp_devices: int = 1
 
     def with_remedy(self, remedy: Remedy | str) -> Settings:
         """These settings with ``remedy`` applied (formula remedies leave them as they are)."""
         remedy = Remedy.parse(remedy)
         if remedy in PRECISION_REMEDIES:
             return dataclasses.replace(self, precision=PRECISION_REMEDIES[remedy])
+        if remedy is Remedy.FSDP:
+            return dataclasses.replace(self, world_size=self.fsdp_devices) if self.fsdp_devices > 1 else self
         if remedy is Remedy.HALF_MICRO_BATCH and self.batch_size:
             return dataclasses.replace(
                 self, batch_size=self.batch_size // 2, accumulate_grad_batches=2 * self.accumulate_grad_batches

@@ -1,11 +1,12 @@
 """What would fit: today's estimate, then the estimate again with each remedy applied, and the cheapest combination.
 
-Measured remedies re-run the fake-tensor training step with the setup changed (:mod:`.remedies`); formula remedies
-(``fsdp``, ``optimizer_offload``) are closed forms over the measured categories of each row:
+Measured remedies re-run the fake-tensor training step with the setup changed (:mod:`.remedies`), ``fsdp`` / ``zero3``
+over N devices included (FSDP2 over torch's fake process group, rank zero measured: :mod:`.sharded`); formula remedies
+are closed forms over the measured categories of each row:
 
 - ``adamw_8bit`` where bitsandbytes is missing: AdamW's state at 2 bytes per parameter instead of 8;
-- ``fsdp`` / ``zero3`` over N devices: parameters, gradients and optimizer state divided by N, plus the parameters of
-  the largest repeated block gathered whole while it runs; activations unchanged;
+- ``fsdp`` only where torch has no ``torch.distributed``: parameters, gradients and optimizer state divided by N, plus
+  the parameters of the largest repeated block gathered whole while it runs; activations unchanged;
 - ``optimizer_offload``: the optimizer state lives on the host (0 on the device).
 
 A prediction fits when ``peak + headroom <= device memory``, the headroom being :data:`HEADROOM_BYTES` (CUDA
@@ -138,6 +139,7 @@ class ModuleSetup(Setup):
             device=self.device,
             steps=self.steps,
             prepare=rm.prepare_for(settings),
+            world_size=settings.world_size,
         )
 
     def block_parameter_bytes(self, settings: Settings) -> int:
@@ -180,6 +182,7 @@ class ConfigSetup(Setup):
             model=rm.module_for(self.model, settings),
             optimizer_factory=rm.optimizer_factory_for(settings, self._base_factory) if changed else None,
             prepare=rm.prepare_for(settings),
+            fsdp=settings.world_size,
             **self.options,
         )
 
@@ -330,6 +333,8 @@ class _Engine:
 
     def __init__(self, setup: Setup, device_memory: int | None, devices: int, max_batch: bool, max_batch_size: int):
         self.setup, self.device_memory, self.devices = setup, device_memory, max(1, int(devices))
+        # the fsdp remedy shards the estimate over these devices (measured, see Settings.with_remedy)
+        setup.settings = dataclasses.replace(setup.settings, fsdp_devices=self.devices)
         self.max_batch, self.max_batch_size = max_batch, max_batch_size
         self.cache: dict[Settings, Estimate] = {}
 
@@ -374,8 +379,10 @@ class _Engine:
 
 
 def formula_remedies() -> frozenset[Remedy]:
-    """The remedies computed as closed forms here: sharding and offloading, and ``adamw_8bit`` without bitsandbytes."""
-    return FORMULA_REMEDIES if rm.adamw_8bit_measured() else FORMULA_REMEDIES | {Remedy.ADAMW_8BIT}
+    """The remedies computed as closed forms here: offloading; ``adamw_8bit`` without bitsandbytes; ``fsdp`` where
+    this torch has no ``torch.distributed`` (elsewhere it is measured: FSDP2 over torch's fake process group)."""
+    out = FORMULA_REMEDIES if rm.adamw_8bit_measured() else FORMULA_REMEDIES | {Remedy.ADAMW_8BIT}
+    return out if torch.distributed.is_available() else out | rm.SHARDING_FORMULA
 
 
 #: Errors of a remedy that does not apply to a model (no attention projection, a missing package, an op the fake
