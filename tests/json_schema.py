@@ -60,6 +60,7 @@ RUN = {
     "snapshot": (str, NoneType),
     "is_memtrace": bool,
     "categories_inferred": bool,
+    "category_rules": MapOf(str),
     "question": QUESTION,
     "devices": [DEVICE],
 }

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -165,6 +165,13 @@ class MemTrace(Callback):
             dispatch mode runs only in the history window, for stacks), or the dispatch mode where that session
             cannot run (another profiler recording, e.g. ``Trainer(profiler="pytorch")``). ``"dispatch"``: always the
             dispatch mode (for runs that open ``torch.profiler`` themselves). ``"reports"``: the reports only.
+        category_rules: User rules for categories, ``{name: regex}`` (e.g. ``{"kv_cache": r"cache_utils\.py"}``),
+            checked at construction (a bad regex raises ``ValueError`` naming the rule). Each frame of an allocation's
+            stack is searched as ``"<file>:<line> <function>"``, innermost frame first, the rules in the order given;
+            the first match names the category. They are written into every snapshot's header (``category_rules``),
+            so the end-of-fit report and ``memtrace summary``/``report``/``diff`` of its snapshots apply them to the
+            allocations MemTrace left uncategorised (those it recorded as parameters, gradients, optimizer state,
+            inputs or activations keep their category); ``--rule`` adds to them.
     """
 
     def __init__(
@@ -186,6 +193,7 @@ class MemTrace(Callback):
         report: bool = True,
         estimate: bool = False,
         allocation_backend: AllocationBackend = "auto",
+        category_rules: Mapping[str, str] | None = None,
     ) -> None:
         arguments = locals()
         #: The recorder's settings (the keywords above that are its fields), shared with

@@ -35,9 +35,11 @@ def build_header(
     categories: dict[str, int],
     phases: list[dict[str, Any]],
     run: str = "",
+    category_rules: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """The header of a snapshot covering ``steps`` (first, last); ``phases``: ``{"step", "phase", "time_us"}`` marks;
-    ``run``: the run id of the rows the snapshot goes with (the CSV's ``run`` column)."""
+    ``run``: the run id of the rows the snapshot goes with (the CSV's ``run`` column); ``category_rules``: the run's
+    user rules for categories, ``{name: regex}`` in matching order (``{}``: none), which readers apply by default."""
     return {
         "format": SNAPSHOT_FORMAT,
         "producer": PRODUCER,
@@ -49,6 +51,7 @@ def build_header(
         "categories": categories,
         "phases": phases,
         "run": run,
+        "category_rules": dict(category_rules or {}),
     }
 
 
@@ -66,6 +69,14 @@ def header_device(header: dict[str, Any] | None, default: str = "") -> str:
 def header_run(header: dict[str, Any] | None) -> str:
     """The run id the snapshot goes with, or ``""`` (not written by MemTrace, or before run ids)."""
     return str((header or {}).get("run") or "")
+
+
+def header_category_rules(header: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The header's ``category_rules`` (``{name: regex}``) as written, or None (none, or not written by MemTrace).
+
+    The reader checks them (:class:`~lightning_memtrace.analysis.rules.CategoryRules`): a header is untrusted input."""
+    rules = (header or {}).get("category_rules")
+    return rules if isinstance(rules, dict) and rules else None
 
 
 def header_is_cpu(header: dict[str, Any] | None) -> bool:

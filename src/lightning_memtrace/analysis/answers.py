@@ -4,7 +4,8 @@ answers", and held by ``tests/cli/test_json.py``).
 
 Summary, one run::
 
-    {"file", "run", "label", "snapshot", "is_memtrace", "categories_inferred", "question", "devices": [device...]}
+    {"file", "run", "label", "snapshot", "is_memtrace", "categories_inferred", "category_rules", "question",
+     "devices": [device...]}
 
 A folder holding several runs: ``{"file", "runs": [<one run's object>...]}``, oldest first. Each device::
 
@@ -114,6 +115,7 @@ def run_object(
         "snapshot": main.path.name if main is not None else None,
         "is_memtrace": bool(main is not None and main.replay.is_memtrace),
         "categories_inferred": bool(main is not None and main.replay.inferred),
+        "category_rules": dict(main.replay.category_rules) if main is not None else {},
         "question": question_object(question),
         "devices": [],
     }

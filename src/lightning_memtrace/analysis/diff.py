@@ -78,7 +78,8 @@ def diff_sources(a: ReportSource, b: ReportSource) -> Diff:
     if not (_reserved_known(a) or _reserved_known(b)):  # CPU runs: no caching allocator, nothing reserved to show
         summary = summary[~summary["figure"].str.startswith("reserved")].reset_index(drop=True)
     summary["delta"] = summary["b"] - summary["a"]
-    cats = [c for c in CATEGORIES if c in pa.by_category or c in pb.by_category]
+    order = list(dict.fromkeys([*CATEGORIES, *ra.categories, *rb.categories]))  # user rules' names after the built-in
+    cats = [c for c in order if c in pa.by_category or c in pb.by_category]
     by_category = pd.DataFrame(
         {
             "category": cats,

@@ -65,6 +65,9 @@ class DeviceReplay:
         annotations: The snapshot's ``external_annotations`` of this device (``record_function`` ranges, MemTrace's
             phases): ``{"name", "stage": "START" | "END", "time_us", ...}``, ordered by time (see
             :mod:`~lightning_memtrace.analysis.annotations`).
+        categories: The categories of this replay in chart order (the codes of the ``category`` columns): the built-in
+            ones (:data:`~lightning_memtrace.types.CATEGORIES`), then the names of user rules
+            (:mod:`~lightning_memtrace.analysis.rules`).
     """
 
     device: int
@@ -76,6 +79,12 @@ class DeviceReplay:
     unknown_frees: int
     oom_rows: list[int]
     annotations: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    categories: tuple[str, ...] = CATEGORIES
+
+    @property
+    def rule_categories(self) -> tuple[str, ...]:
+        """The categories user rules added (those not built in), in rule order."""
+        return self.categories[len(CATEGORIES) :]
 
     @property
     def num_events(self) -> int:
@@ -204,7 +213,7 @@ class DeviceReplay:
             delta = scatter_add(n, a[a >= 0], s[a >= 0]) - scatter_add(n, e[e < n], s[e < n])
             series = seed + np.cumsum(delta)
             out[str(name)] = series[rows]
-        ordered = {k: out[k] for k in CATEGORIES if k in out}
+        ordered = {k: out[k] for k in self.categories if k in out}
         ordered.update({k: v for k, v in out.items() if k not in ordered})
         return pd.DataFrame(ordered, index=rows)
 
@@ -220,6 +229,9 @@ class Replay:
         memtrace: MemTrace's header, if any.
         allocator_settings: The snapshot's ``allocator_settings``.
         reserved_end_bytes: Sum of segment sizes at dump time, all devices.
+        categories: Every category of the replay, in chart order (built-in ones, then user rules' names).
+        category_rules: The user rules applied, ``{name: regex}`` in matching order (``--rule`` first, then the
+            header's ``category_rules``); ``{}``: none.
     """
 
     devices: dict[int, DeviceReplay]
@@ -229,6 +241,8 @@ class Replay:
     allocator_settings: dict[str, Any]
     reserved_end_bytes: int
     num_segments: int
+    categories: tuple[str, ...] = CATEGORIES
+    category_rules: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def main(self) -> DeviceReplay:

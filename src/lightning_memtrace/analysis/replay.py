@@ -5,8 +5,10 @@ is seeded from ``segments`` when recording started after allocations existed (bl
 never mentions, and addresses whose first event is a free), frees of unknown addresses are tolerated, and ``alloc`` is
 counted by its requested size.
 
-Categories come from the snapshot when MemTrace wrote it (per-event ``category``); otherwise they are inferred from the
-stack frames and lifetimes of each allocation (see :func:`infer_category`) and the rows are marked ``inferred``.
+Categories come from the snapshot when MemTrace wrote it (per-event ``category``); otherwise the user's rules name them
+(:mod:`~lightning_memtrace.analysis.rules`: ``--rule``, the header's ``category_rules``), else they are inferred from
+the stack frames and lifetimes of each allocation (see :func:`infer_category`); both are marked ``inferred`` (not
+recorded). Category codes index the replay's own ``categories`` (the built-in ones, then the rule names).
 
 The work is vectorised (numpy) except for one pass over the events to read their fields and one analysis per distinct
 frame list, so a million-event trace replays in about a second.
@@ -37,6 +39,7 @@ from lightning_memtrace.analysis.events import (
 )
 from lightning_memtrace.analysis.loader import Snapshot, SnapshotError, normalize
 from lightning_memtrace.analysis.model import DeviceReplay, Replay
+from lightning_memtrace.analysis.rules import NO_RULES, CategoryRules, RuleError, RulesLike
 from lightning_memtrace.analysis.stacks import (
     PRE_EXISTING_SITE,
     S_FWD,
@@ -48,7 +51,7 @@ from lightning_memtrace.analysis.stacks import (
     group_stacks,
 )
 from lightning_memtrace.analysis.stages import event_stages, read_tags, smooth_stages
-from lightning_memtrace.schema import header_is_cpu, header_phase_marks
+from lightning_memtrace.schema import header_category_rules, header_is_cpu, header_phase_marks
 from lightning_memtrace.types import CATEGORIES, STAGES, InferredCategory, category_label
 
 PRE_EXISTING_CATEGORY = InferredCategory.PRE_EXISTING.value
@@ -68,6 +71,8 @@ class Events:
     site: np.ndarray  # codes into the site table
     forced: np.ndarray  # category a stack forces, or -1
     recorded: np.ndarray  # category code MemTrace recorded, or -1
+    #: The category code a user rule gives the event's stack, or -1.
+    rule: np.ndarray | None = None
     #: The ``compile_context`` of each event (codes into ``contexts``; -1: none), where torch recorded it.
     context: np.ndarray | None = None
     contexts: list[str] = dataclasses.field(default_factory=list)
@@ -143,9 +148,13 @@ def compile_contexts(trace: list[dict[str, Any]]) -> tuple[np.ndarray | None, li
 
 
 def read_events(
-    trace: list[dict[str, Any]], device: int, snapshot_info: tuple[list, dict | None], table: SiteTable
+    trace: list[dict[str, Any]],
+    device: int,
+    snapshot_info: tuple[list, dict | None],
+    table: SiteTable,
+    rules: CategoryRules = NO_RULES,
 ) -> Events:
-    """Step 1: the fields, stacks, tags, stages and steps of every event."""
+    """Step 1: the fields, stacks, tags, stages and steps of every event (and the category a rule gives its stack)."""
     annotations, header = snapshot_info
     n = len(trace)
     actions, addrs, sizes, times_or_none, frames = extract_columns(trace)
@@ -153,28 +162,39 @@ def read_events(
     del actions
     has_time = times_or_none is not None and n > 0
     times = times_or_none if times_or_none is not None else np.arange(n, dtype=np.int64)
-    frame_stage, site, forced = classify_stacks(frames, n, table)
+    frame_stage, site, forced, rule = classify_stacks_with_rules(frames, n, table, rules)
     del frames
     tag_stage, tag_step, recorded = read_tags(trace)
     stage, step = event_stages(
         frame_stage, (tag_stage, tag_step), times, has_time, annotations, device, header_phase_marks(header)
     )
     context, contexts = compile_contexts(trace)
-    return Events(codes, addrs, sizes, times, has_time, stage, step, site, forced, recorded, context, contexts)
+    return Events(codes, addrs, sizes, times, has_time, stage, step, site, forced, recorded, rule, context, contexts)
 
 
 def classify_stacks(frames: Any, n: int, table: SiteTable) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Step 2: stage, site and forced category per event; each frame list object is looked at once (events share
-    them) and each distinct stack analysed once (list objects of equal content share the analysis)."""
+    """Step 2 without rules: stage, site and forced category per event (see :func:`classify_stacks_with_rules`)."""
+    stage, site, forced, _ = classify_stacks_with_rules(frames, n, table)
+    return stage, site, forced
+
+
+def classify_stacks_with_rules(
+    frames: Any, n: int, table: SiteTable, rules: CategoryRules = NO_RULES
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Step 2: stage, site, forced category and rule category (-1: none) per event; each frame list object is looked
+    at once (events share them) and each distinct stack analysed once, the rules included (list objects of equal
+    content share the analysis)."""
     if not n:
-        return np.zeros(0, dtype=np.int8), np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int16)
+        empty = np.zeros(0, dtype=np.int16)
+        return np.zeros(0, dtype=np.int8), np.zeros(0, dtype=np.int32), empty, empty
     frame_key, unique_ids = pd.factorize(np.fromiter(map(id, frames), dtype=np.int64, count=n))
     unique_lists: list[Any] = [frames[i] for i in first_positions(frame_key, len(unique_ids)).tolist()]
     stack_of_list, stacks = group_stacks(unique_lists)
     del unique_lists
     stack_stage, stack_site, stack_forced = analyze_lists(stacks, table)
+    stack_rule = rules.stack_codes(stacks)
     stack_key = stack_of_list[frame_key]
-    return stack_stage[stack_key], stack_site[stack_key], stack_forced[stack_key]
+    return stack_stage[stack_key], stack_site[stack_key], stack_forced[stack_key], stack_rule[stack_key]
 
 
 def _shifted_equal(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -250,30 +270,39 @@ def _seed_sites(blocks: list[tuple[int, int, str, list[Any]]], table: SiteTable)
     return seed
 
 
-def pre_existing_site(category: int) -> Site:
+def pre_existing_site(category: int, categories: tuple[str, ...] = CATEGORIES) -> Site:
     """The stand-in site of allocations older than the trace without a stack, one per category (``<allocated before
     recording> · parameters``) so that the sites table splits them as the category table does; plain
-    ``<allocated before recording>`` when the category is pre-existing itself (inferred)."""
-    name = CATEGORIES[category] if 0 <= category < len(CATEGORIES) else "other"
+    ``<allocated before recording>`` when the category is pre-existing itself (inferred). ``category`` is a code into
+    ``categories``."""
+    name = categories[category] if 0 <= category < len(categories) else "other"
     if name == PRE_EXISTING_CATEGORY:
         return PRE_EXISTING_SITE
     return dataclasses.replace(PRE_EXISTING_SITE, function=f"{PRE_EXISTING_SITE.function} · {category_label(name)}")
 
 
-def _fill_pre_existing_sites(site: np.ndarray, category: np.ndarray, table: SiteTable) -> None:
+def _fill_pre_existing_sites(
+    site: np.ndarray, category: np.ndarray, table: SiteTable, categories: tuple[str, ...] = CATEGORIES
+) -> None:
     """Give the allocations marked -1 in ``site`` their category's stand-in site (in place)."""
     missing = site < 0
     if not missing.any():
         return
-    codes = {int(c): table.intern(pre_existing_site(int(c))) for c in np.unique(category[missing]).tolist()}
+    codes = {
+        int(c): table.intern(pre_existing_site(int(c), categories)) for c in np.unique(category[missing]).tolist()
+    }
     lookup = np.zeros(max(codes) + 1, dtype=np.int32)
     for c, code in codes.items():
         lookup[c] = code
     site[missing] = lookup[category[missing]]
 
 
-def build_allocations(ev: Events, pairing: Pairing, segs: Segments, table: SiteTable) -> Allocations:
-    """Step 5: the allocation table, with stages at both ends and a category (recorded, else inferred)."""
+def build_allocations(
+    ev: Events, pairing: Pairing, segs: Segments, table: SiteTable, rules: CategoryRules = NO_RULES
+) -> Allocations:
+    """Step 5: the allocation table, with stages at both ends and a category: recorded, else a user rule's (from the
+    allocation's stack: its event's, or a live block's frames), else inferred. Frees of blocks older than the trace
+    have no allocation stack: no rule applies to them."""
     n = ev.n
     rows, pre, blocks = pairing.alloc_rows, pairing.pre_free_rows, segs.seed_blocks
     n_old = len(pre) + len(blocks)
@@ -289,12 +318,16 @@ def build_allocations(ev: Events, pairing: Pairing, segs: Segments, table: SiteT
     inferred = infer_categories(a_stage, a_stage_end, a_index, e_index, n, np.nonzero(ev.stage == S_FWD)[0])
     a_forced = np.concatenate([ev.forced[rows], np.full(n_old, -1, dtype=np.int16)])
     inferred = np.where((a_forced >= 0) & (a_index >= 0), a_forced, inferred).astype(np.int16)
+    if rules and ev.rule is not None:
+        seed_rules = rules.stack_codes([b[3] for b in blocks])
+        a_rule = np.concatenate([ev.rule[rows], np.full(len(pre), -1, dtype=np.int16), seed_rules])
+        inferred = np.where(a_rule >= 0, a_rule, inferred).astype(np.int16)
     recorded = np.concatenate(
         [ev.recorded[rows], ev.recorded[pre], np.array([CAT_CODE.get(b[2], -1) for b in blocks], dtype=np.int16)]
     )
     a_inferred = recorded < 0
     a_cat = np.where(a_inferred, inferred, recorded).astype(np.int16)
-    _fill_pre_existing_sites(a_site, a_cat, table)
+    _fill_pre_existing_sites(a_site, a_cat, table, rules.categories if rules else CATEGORIES)
     a_context = None
     if ev.context is not None:
         a_context = np.concatenate([ev.context[rows], np.full(n_old, -1, dtype=np.int32)])
@@ -359,7 +392,12 @@ def _categorical(codes: np.ndarray, names: Any) -> pd.Categorical:
 
 
 def timeline_frame(
-    ev: Events, al: Allocations, segs: Segments, header: dict[str, Any] | None, table: SiteTable
+    ev: Events,
+    al: Allocations,
+    segs: Segments,
+    header: dict[str, Any] | None,
+    table: SiteTable,
+    categories: tuple[str, ...] = CATEGORIES,
 ) -> tuple[pd.DataFrame, int, bool]:
     """Step 9: the timeline table (one row per event; ``attrs["reserved_start"]``: reserved bytes before the first
     event); with the seed bytes and whether reserved bytes are known."""
@@ -382,7 +420,7 @@ def timeline_frame(
             "delta": delta,
             "live_bytes": live,
             "reserved_bytes": reserved,
-            "category": _categorical(cat, CATEGORIES),
+            "category": _categorical(cat, categories),
             "inferred": inferred,
             "phase": _categorical(smooth_stages(ev.stage), STAGES),
             "step": ev.step,
@@ -394,7 +432,11 @@ def timeline_frame(
 
 
 def allocations_frame(
-    al: Allocations, segs: Segments, table: SiteTable, contexts: list[str] | None = None
+    al: Allocations,
+    segs: Segments,
+    table: SiteTable,
+    contexts: list[str] | None = None,
+    categories: tuple[str, ...] = CATEGORIES,
 ) -> pd.DataFrame:
     """Step 10: the allocation table as a DataFrame (``attrs["reserved_end"]``: reserved bytes at dump time); with a
     ``compile_context`` column where the trace's events carry one."""
@@ -408,7 +450,7 @@ def allocations_frame(
             "alloc_index": al.alloc_index.astype(np.int64),
             "end_index": al.end_index.astype(np.int64),
             "size": al.size.astype(np.int64),
-            "category": _categorical(al.category, CATEGORIES),
+            "category": _categorical(al.category, categories),
             "inferred": al.inferred,
             "stage_alloc": _categorical(al.stage, STAGES),
             "stage_end": _categorical(al.stage_end, STAGES),
@@ -433,18 +475,21 @@ def replay_device(
     segments: list[dict[str, Any]],
     annotations: list[dict[str, Any]],
     header: dict[str, Any] | None,
+    rules: CategoryRules = NO_RULES,
 ) -> DeviceReplay:
     """Replay one device's trace: the steps above, in order."""
     table = SiteTable()
-    ev = read_events(trace, device, (annotations, header), table)
+    categories = rules.categories
+    ev = read_events(trace, device, (annotations, header), table, rules)
     pairing = pair_by_address(ev.action, ev.addr)
     segs = read_segments(segments, device, pairing.sorted_addrs)
-    al = build_allocations(ev, pairing, segs, table)
-    timeline, seed_bytes, reserved_known = timeline_frame(ev, al, segs, header, table)
+    al = build_allocations(ev, pairing, segs, table, rules)
+    timeline, seed_bytes, reserved_known = timeline_frame(ev, al, segs, header, table, categories)
     return DeviceReplay(
         device=device,
+        categories=categories,
         timeline=timeline,
-        allocations=allocations_frame(al, segs, table, ev.contexts),
+        allocations=allocations_frame(al, segs, table, ev.contexts, categories),
         seed_bytes=seed_bytes,
         has_time=bool(ev.has_time),
         reserved_known=reserved_known,
@@ -469,25 +514,38 @@ def device_annotations(annotations: list[dict[str, Any]], device: int) -> list[d
     return sorted(kept, key=lambda a: int(a["time_us"]))
 
 
-def replay(snapshot: Snapshot | dict[str, Any] | list[Any], *, source: str | None = None) -> Replay:
+def replay(
+    snapshot: Snapshot | dict[str, Any] | list[Any], *, source: str | None = None, rules: RulesLike = None
+) -> Replay:
     """Replay every device of a snapshot.
 
     Args:
         snapshot: A :class:`~lightning_memtrace.analysis.loader.Snapshot`, or an already-unpickled snapshot (dict or
             old list format).
         source: Name to show for it (defaults to the file name).
+        rules: User rules for categories (``{name: regex}``, ``["NAME=REGEX", ...]`` or
+            :class:`~lightning_memtrace.analysis.rules.CategoryRules`), applied before the header's
+            ``category_rules`` (a rule of the same name replaces the header's); see
+            :mod:`~lightning_memtrace.analysis.rules`.
 
     Returns:
         The :class:`Replay`.
 
     Raises:
-        SnapshotError: The snapshot's content is malformed in a way the replay cannot read (a one-line message).
+        RuleError: A rule given is not usable (a ``ValueError``; its one-line message names it).
+        SnapshotError: The snapshot's content is malformed in a way the replay cannot read (a one-line message), a
+            bad rule in its header included.
     """
     if not isinstance(snapshot, Snapshot):
         data, layout = normalize(snapshot)
         snapshot = Snapshot(data=data, layout=layout)
+    given = CategoryRules.of(rules)
     try:
-        return _replay(snapshot, source)
+        combined = CategoryRules.combine(given, header_category_rules(snapshot.memtrace))
+    except RuleError as error:
+        raise SnapshotError(f"{source or snapshot.name}: the header's category_rules: {error}") from None
+    try:
+        return _replay(snapshot, source, combined)
     except (SnapshotError, MemoryError, RecursionError):
         raise
     except Exception as error:  # untrusted content: one line, never a traceback from deep inside the replay
@@ -497,7 +555,7 @@ def replay(snapshot: Snapshot | dict[str, Any] | list[Any], *, source: str | Non
         ) from None
 
 
-def _replay(snapshot: Snapshot, source: str | None) -> Replay:
+def _replay(snapshot: Snapshot, source: str | None, rules: CategoryRules = NO_RULES) -> Replay:
     traces = snapshot.device_traces
     segments = snapshot.segments
     devices: set[int] = {d for d, t in enumerate(traces) if t}
@@ -513,7 +571,7 @@ def _replay(snapshot: Snapshot, source: str | None) -> Replay:
     with _gc_paused():
         for device in sorted(devices):
             trace = traces[device] if device < len(traces) else []
-            result[device] = replay_device(device, trace, segments, annotations, memtrace)
+            result[device] = replay_device(device, trace, segments, annotations, memtrace, rules)
     return Replay(
         devices=result,
         source=source or snapshot.name,
@@ -522,6 +580,8 @@ def _replay(snapshot: Snapshot, source: str | None) -> Replay:
         allocator_settings=snapshot.allocator_settings,
         reserved_end_bytes=sum(as_int(s.get("total_size")) for s in segments),
         num_segments=len(segments),
+        categories=rules.categories,
+        category_rules=rules.as_dict(),
     )
 
 

@@ -22,6 +22,7 @@ from lightning_memtrace.analysis.loader import DEFAULT_MAX_BYTES, SnapshotError,
 from lightning_memtrace.analysis.model import Replay
 from lightning_memtrace.analysis.phases import load_phases
 from lightning_memtrace.analysis.replay import replay
+from lightning_memtrace.analysis.rules import CategoryRules, RulesLike
 from lightning_memtrace.files import MEMTRACE_DIR, PHASES_GLOB, SNAPSHOT_PATTERNS, is_oom_file, rank_of
 from lightning_memtrace.schema import header_run
 
@@ -105,11 +106,13 @@ def _folder_files(folder: Path) -> list[Path]:
     return sorted((f for f in files if not f.name.endswith(".tmp")), key=lambda p: ((rank_of(p.name) or 0), p.name))
 
 
-def _load_file(file: Path, max_bytes: int, progress: Callable[[int, int], None] | None) -> LoadedSnapshot:
+def _load_file(
+    file: Path, max_bytes: int, progress: Callable[[int, int], None] | None, rules: RulesLike = None
+) -> LoadedSnapshot:
     snap = load_snapshot(file, max_bytes=max_bytes, progress=progress)
     kind = "oom" if is_oom_file(file.name) else "snapshot"
     text = _load_oom_text(file) if kind == "oom" else None
-    return LoadedSnapshot(file, replay(snap, source=file.name), rank_of(file.name), kind, text)
+    return LoadedSnapshot(file, replay(snap, source=file.name, rules=rules), rank_of(file.name), kind, text)
 
 
 def _runs_in(phases: pd.DataFrame | None) -> list[set[str]]:
@@ -129,11 +132,15 @@ def _runs_in(phases: pd.DataFrame | None) -> list[set[str]]:
 
 
 def _folder_sources(
-    folder: Path, label: str, max_bytes: int, progress: Callable[[int, int], None] | None
+    folder: Path,
+    label: str,
+    max_bytes: int,
+    progress: Callable[[int, int], None] | None,
+    rules: RulesLike = None,
 ) -> list[ReportSource]:
     """One source per run written into ``folder``; snapshots without a known run id go with the newest run."""
     phases = _load_folder_phases(folder)
-    snapshots = [_load_file(file, max_bytes, progress) for file in _folder_files(folder)]
+    snapshots = [_load_file(file, max_bytes, progress, rules) for file in _folder_files(folder)]
     runs = _runs_in(phases)
     if len(runs) <= 1:
         return [ReportSource(folder, snapshots, phases, min(runs[0]) if runs else "", label)]
@@ -157,6 +164,7 @@ def load_sources(
     *,
     max_bytes: int = DEFAULT_MAX_BYTES,
     progress: Callable[[int, int], None] | None = None,
+    rules: RulesLike = None,
 ) -> list[ReportSource]:
     """Every run of a snapshot file, a MemTrace log folder, or a parent of several (``lightning_logs``), oldest first.
 
@@ -164,18 +172,24 @@ def load_sources(
         path: Snapshot (pickle, gzip pickle, memory_viz HTML) or folder.
         max_bytes: Size limit per file.
         progress: Progress callback for large files (see :func:`load_snapshot`).
+        rules: User rules for categories (``--rule``), applied to every snapshot before its header's own
+            ``category_rules`` (see :mod:`~lightning_memtrace.analysis.rules`).
 
     Returns:
         One :class:`ReportSource` per run (one for a snapshot file).
 
     Raises:
         SnapshotError: Unreadable input, or a folder without MemTrace files.
+        RuleError: A rule is not usable (a ``ValueError``, one line naming it), checked before any file is read.
     """
+    rules = CategoryRules.of(rules)
     target = Path(path)
     if not target.exists():
         raise SnapshotError(f"{target}: no such file or directory")
     if not target.is_dir():
-        snapshot = LoadedSnapshot(target, replay(load_snapshot(target, max_bytes=max_bytes, progress=progress)))
+        snapshot = LoadedSnapshot(
+            target, replay(load_snapshot(target, max_bytes=max_bytes, progress=progress), rules=rules)
+        )
         snapshot.rank = rank_of(target.name)
         return [ReportSource(target, [snapshot], None, header_run(snapshot.replay.memtrace), target.name)]
     folders = run_folders(target)
@@ -186,7 +200,7 @@ def load_sources(
         )
     sources = []
     for folder in folders:
-        sources.extend(_folder_sources(folder, run_label(folder, target), max_bytes, progress))
+        sources.extend(_folder_sources(folder, run_label(folder, target), max_bytes, progress, rules))
     if len(folders) == 1:  # what the user passed names the run (a report's title, the JSON's source)
         for source in sources:
             source.path = target
@@ -214,6 +228,7 @@ def load_source(
     *,
     max_bytes: int = DEFAULT_MAX_BYTES,
     progress: Callable[[int, int], None] | None = None,
+    rules: RulesLike = None,
 ) -> ReportSource:
     """The one run of a snapshot file or a MemTrace log folder (see :func:`load_sources`).
 
@@ -221,7 +236,7 @@ def load_source(
         SnapshotError: Unreadable input, a folder without MemTrace files, or a folder holding several runs (the
             message names them: pass one).
     """
-    sources = load_sources(path, max_bytes=max_bytes, progress=progress)
+    sources = load_sources(path, max_bytes=max_bytes, progress=progress, rules=rules)
     if len(sources) > 1:
         names = ", ".join(s.label for s in sources[:6]) + (" …" if len(sources) > 6 else "")
         raise SnapshotError(f"{path}: holds {len(sources)} runs ({names}); pass one run's folder")

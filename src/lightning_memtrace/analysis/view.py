@@ -67,7 +67,8 @@ class MemoryView:
         at_dump_time: The snapshot has no trace: the moment is the dump.
         before_trace: The moment is before the trace's first event (it begins by freeing blocks made before recording).
         inferred_bytes: Bytes whose category was inferred.
-        name, device, events, segments, reserved_known, is_memtrace, inferred: About the snapshot (replays only).
+        name, device, events, segments, reserved_known, is_memtrace, inferred, rule_categories, category_rules: About
+            the snapshot (replays only).
     """
 
     total_bytes: int
@@ -87,6 +88,9 @@ class MemoryView:
     reserved_known: bool = False
     is_memtrace: bool = False
     inferred: bool = False
+    #: The categories user rules added (not built in), in rule order; ``category_rules``: the rules applied.
+    rule_categories: tuple[str, ...] = ()
+    category_rules: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def by_category(self) -> dict[str, int]:
@@ -144,6 +148,8 @@ def moment_view(loaded: LoadedSnapshot, dev: DeviceReplay, moment: Peak, max_sit
         "reserved_known": dev.reserved_known,
         "is_memtrace": rep.is_memtrace,
         "inferred": rep.inferred,
+        "rule_categories": tuple(dev.rule_categories),
+        "category_rules": dict(rep.category_rules),
     }
     when = {
         "stage": str(moment.stage),

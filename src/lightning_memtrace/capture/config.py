@@ -7,10 +7,13 @@ settings and the module, so that the callback and a plain-loop recorder make the
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Literal, get_args
 
 import torch
 from torch import nn
+
+from lightning_memtrace.analysis.rules import RuleError, compile_rules
 
 #: How the CPU allocation tracker sees allocations (see :class:`RecorderConfig`).
 AllocationBackend = Literal["auto", "reports", "dispatch"]
@@ -39,6 +42,11 @@ class RecorderConfig:
             and falls back to the dispatch mode; ``"dispatch"`` always uses the dispatch mode (for a run profiled with
             ``torch.profiler``); ``"reports"`` insists on the reports.
         window_stacks: Record Python stacks in the history window (the dispatch mode runs there for them).
+        category_rules: User rules for categories, ``{name: regex}`` (e.g. ``{"kv_cache": r"cache_utils\\.py"}``):
+            checked here (a bad regex is a ``ValueError`` naming the rule), written into every snapshot's header
+            (``category_rules``), and applied by whatever reads the snapshot (the end-of-fit report, ``memtrace
+            summary``/``report``/``diff``) to the allocations whose category MemTrace did not record; see
+            :mod:`~lightning_memtrace.analysis.rules`. Held as ``((name, regex), ...)`` in order.
     """
 
     track_allocations: bool | None = None
@@ -53,12 +61,18 @@ class RecorderConfig:
     max_snapshots: int = 10
     allocation_backend: AllocationBackend = "auto"
     window_stacks: bool = True
+    category_rules: Mapping[str, str] | tuple[tuple[str, str], ...] | None = ()
 
     def __post_init__(self) -> None:
         if self.allocation_backend not in ALLOCATION_BACKENDS:
             choices = ", ".join(repr(b) for b in ALLOCATION_BACKENDS)
             raise ValueError(f"allocation_backend must be one of {choices}, not {self.allocation_backend!r}")
         set_value = object.__setattr__  # frozen: normalize once, here
+        try:
+            rules = compile_rules(self.category_rules)
+        except RuleError as error:
+            raise ValueError(f"category_rules: {error}") from None
+        set_value(self, "category_rules", tuple((name, regex.pattern) for name, regex in rules))
         set_value(self, "history_skip_steps", max(0, int(self.history_skip_steps)))
         set_value(self, "history_steps", max(0, int(self.history_steps)))
         set_value(self, "every_n_steps", max(1, int(self.every_n_steps)))

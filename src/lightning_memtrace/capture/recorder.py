@@ -111,7 +111,7 @@ class MemoryRecorder:
             every rank of a run, and the earlier id to a resumed run.
         **settings: Fields of :class:`RecorderConfig`: ``track_allocations``, ``history``, ``history_skip_steps``,
             ``history_steps``, ``max_entries``, ``frames_min_bytes``, ``post_mortem``, ``max_rows``, ``every_n_steps``,
-            ``max_snapshots``, ``allocation_backend``, ``window_stacks``.
+            ``max_snapshots``, ``allocation_backend``, ``window_stacks``, ``category_rules``.
     """
 
     def __init__(

@@ -215,6 +215,7 @@ class HistoryWindow:
                 {"step": step, "phase": phase, "time_us": t} for step, phase, t in self.phase_marks if t >= since_us
             ],
             run=self.run_id,
+            category_rules=dict(self.config.category_rules or ()),
         )
 
     def write_snapshot(self, step: int, name: str | None = None) -> Path | None:

@@ -46,8 +46,39 @@ def add_sites(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sites", type=positive_int, default=10, help="allocation sites to list (default 10)")
 
 
+def rule_arg(text: str) -> tuple[str, str]:
+    """``NAME=REGEX``: a user rule for categories, its regex checked (a bad one fails the command in one line)."""
+    from lightning_memtrace.analysis.rules import RuleError, compile_rule, parse_rule
+
+    try:
+        name, pattern = parse_rule(text)
+        name, regex = compile_rule(name, pattern)
+    except RuleError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return name, regex.pattern
+
+
+def add_rules(parser: argparse.ArgumentParser) -> None:
+    """``--rule NAME=REGEX`` (repeatable): user rules for categories."""
+    parser.add_argument(
+        "--rule",
+        dest="rules",
+        action="append",
+        type=rule_arg,
+        default=None,
+        metavar="NAME=REGEX",
+        help="put the allocations whose stack has a frame matching REGEX (searched in 'file:line function', innermost "
+        "frame first, the first rule given first) in category NAME, before inferred categories; repeatable; adds to "
+        "(a same NAME replaces) the snapshot header's category_rules",
+    )
+
+
 def loader_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The snapshot loader's options from ``--max-bytes``."""
+    """The snapshot loader's options from ``--max-bytes`` and ``--rule``."""
     from lightning_memtrace.analysis.loader import DEFAULT_MAX_BYTES
 
-    return {"max_bytes": args.max_bytes or DEFAULT_MAX_BYTES}
+    options: dict[str, Any] = {"max_bytes": getattr(args, "max_bytes", None) or DEFAULT_MAX_BYTES}
+    rules = getattr(args, "rules", None)
+    if rules:
+        options["rules"] = list(rules)
+    return options

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from lightning_memtrace.cli.args import add_max_bytes, add_sites, loader_kwargs
+from lightning_memtrace.cli.args import add_max_bytes, add_rules, add_sites, loader_kwargs
 from lightning_memtrace.cli.console import console, progress
 from lightning_memtrace.types import category_label
 from lightning_memtrace.units import format_bytes
@@ -17,6 +17,7 @@ def add_subcommand(subparsers: Any) -> None:
     parser.add_argument("b", help="second snapshot or log folder (B)")
     add_sites(parser)
     add_max_bytes(parser)
+    add_rules(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object (schema in the README)")
     parser.set_defaults(func=run)
 

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from lightning_memtrace.cli.args import add_max_bytes, loader_kwargs, positive_int
+from lightning_memtrace.cli.args import add_max_bytes, add_rules, loader_kwargs, positive_int
 from lightning_memtrace.cli.console import progress
 from lightning_memtrace.cli.errors import CliError
 from lightning_memtrace.units import format_bytes
@@ -23,6 +23,7 @@ def add_subcommand(subparsers: Any) -> None:
     parser.add_argument("-o", "--output", default="report.html", help="HTML file to write (default: report.html)")
     parser.add_argument("--png", default=None, help="also write the timeline as a PNG here")
     add_max_bytes(parser)
+    add_rules(parser)
     parser.add_argument(
         "--max-points", type=positive_int, default=None, help="points per series in the browser chart (default 4000)"
     )

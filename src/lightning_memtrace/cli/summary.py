@@ -6,7 +6,7 @@ import argparse
 import math
 from typing import Any
 
-from lightning_memtrace.cli.args import add_max_bytes, add_sites, loader_kwargs
+from lightning_memtrace.cli.args import add_max_bytes, add_rules, add_sites, loader_kwargs
 from lightning_memtrace.cli.console import console, progress
 from lightning_memtrace.cli.moments import add_question_options, print_json, print_moment, question_of
 from lightning_memtrace.units import format_bytes
@@ -17,6 +17,7 @@ def add_subcommand(subparsers: Any) -> None:
     parser.add_argument("path", help="snapshot or MemTrace log folder")
     add_sites(parser)
     add_max_bytes(parser)
+    add_rules(parser)
     add_question_options(parser)
     parser.set_defaults(func=run)
 
@@ -46,6 +47,11 @@ def info_table(view: Any) -> Any:
         rows.append(["categories", "inferred from frames" if view.inferred else "recorded"])
     else:
         rows.append(["categories", f"recorded by MemTrace ({view.inferred_percent:.0f}% of the peak inferred)"])
+    if view.category_rules:
+        from rich.markup import escape
+
+        rules = ", ".join(f"{name}={pattern}" for name, pattern in view.category_rules.items())
+        rows.append(["category rules", escape(rules)])
     columns = [("figure", "left"), ("value", "right")]
     return _table(f"{view.name} (device {view.device})", columns, rows, show_header=False)
 

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lightning_memtrace.analysis.loader import DEFAULT_MAX_BYTES
+from lightning_memtrace.analysis.rules import RulesLike
 from lightning_memtrace.analysis.source import load_sources
 from lightning_memtrace.atomic import atomic_write_text
 from lightning_memtrace.report.figure import DEFAULT_MAX_POINTS
@@ -32,6 +33,7 @@ def write_report(
     max_bytes: int = DEFAULT_MAX_BYTES,
     max_points: int = DEFAULT_MAX_POINTS,
     progress: Callable[[int, int], None] | None = None,
+    rules: RulesLike = None,
 ) -> Path:
     """Write the HTML report (and optionally a PNG timeline) for a snapshot or a MemTrace log folder.
 
@@ -46,14 +48,17 @@ def write_report(
         max_bytes: Size limit per snapshot file.
         max_points: Points per series in the browser chart.
         progress: Progress callback while reading large files.
+        rules: User rules for categories (``{name: regex}`` or ``["NAME=REGEX", ...]``), applied before each
+            snapshot header's ``category_rules`` (see :mod:`~lightning_memtrace.analysis.rules`).
 
     Returns:
         ``html_path`` as a Path.
 
     Raises:
         SnapshotError: The source is not readable.
+        RuleError: A rule is not usable (a ``ValueError``).
     """
-    sources = load_sources(source_path_or_dir, max_bytes=max_bytes, progress=progress)
+    sources = load_sources(source_path_or_dir, max_bytes=max_bytes, progress=progress, rules=rules)
     if len(sources) == 1:
         page = render_html(sources[0], max_points=max_points, png_path=png_path)
     else:

@@ -10,8 +10,8 @@ import numpy as np
 import pandas as pd
 
 from lightning_memtrace.analysis.model import DeviceReplay
-from lightning_memtrace.report.style import CATEGORY_COLORS, PHASE_COLORS, esc
-from lightning_memtrace.types import CATEGORIES, RECORDED_CATEGORIES, category_label
+from lightning_memtrace.report.style import CATEGORY_COLORS, PHASE_COLORS, category_color, esc
+from lightning_memtrace.types import RECORDED_CATEGORIES, category_label
 from lightning_memtrace.units import format_bytes, format_bytes_exact
 
 #: Points per series sent to the browser; every bucket keeps its exact local maximum and minimum.
@@ -106,7 +106,7 @@ def timeline_data(dev: DeviceReplay, max_points: int = DEFAULT_MAX_POINTS) -> Ti
     if len(live) == 0:
         # no trace (the old segment-list format): the state at dump time, drawn as a flat band
         peak = dev.peak
-        cats = [c for c in CATEGORIES if c in peak.by_category]
+        cats = [c for c in dev.categories if c in peak.by_category]
         series = pd.DataFrame({c: [peak.by_category[c]] * 2 for c in cats}, index=[0, 1])
         reserved_end = dev.allocations_reserved_end()
         return TimelineData(
@@ -190,7 +190,9 @@ def binary_ticks(top: float, target: int = 6) -> dict[str, Any]:
     return {"tickmode": "array", "tickvals": values, "ticktext": text}
 
 
-def _category_traces(data: TimelineData, x: list[float]) -> list[dict[str, Any]]:
+def _category_traces(
+    data: TimelineData, x: list[float], rule_categories: tuple[str, ...] = ()
+) -> list[dict[str, Any]]:
     traces = []
     for cat in data.series.columns:
         values = data.series[cat].to_numpy()
@@ -203,7 +205,7 @@ def _category_traces(data: TimelineData, x: list[float]) -> list[dict[str, Any]]
                 y=[int(v) for v in values],
                 name=esc(label),
                 mode="lines",
-                line={"width": 0.5, "color": CATEGORY_COLORS.get(cat, "#444"), "shape": "hv"},
+                line={"width": 0.5, "color": category_color(cat, rule_categories), "shape": "hv"},
                 stackgroup="live",
                 meta=cat,
                 hovertemplate=f"{esc(label)}: %{{y:,}} B<extra></extra>",
@@ -361,7 +363,7 @@ def build_figure(dev: DeviceReplay, data: TimelineData, title: str) -> Any:
     """The plotly figure (a dict): stacked categories, total, reserved, phase bands, step lines, peak marker."""
     fig = _Figure()
     x = data.x.tolist()
-    for trace in _category_traces(data, x) + _total_traces(data, x) + _peak_traces(dev, data):
+    for trace in _category_traces(data, x, dev.rule_categories) + _total_traces(data, x) + _peak_traces(dev, data):
         fig.add_trace(trace)
     # Phase bands and step lines, from the full-resolution phase column.
     tl = dev.timeline

@@ -11,7 +11,7 @@ import pandas as pd
 from lightning_memtrace.analysis.phases import phase_peaks_table
 from lightning_memtrace.analysis.ranks import RankOverview
 from lightning_memtrace.analysis.view import MemoryView
-from lightning_memtrace.report.style import CATEGORY_COLORS, esc
+from lightning_memtrace.report.style import category_color, esc
 from lightning_memtrace.units import format_bytes
 
 
@@ -65,7 +65,7 @@ def breakdown_table(view: MemoryView) -> str:
     """Bytes and share per category, and the total."""
     rows = []
     for share in view.categories:
-        color = CATEGORY_COLORS.get(share.category, "#444")
+        color = category_color(share.category, view.rule_categories)
         rows.append(
             f'<tr><td><span class="swatch" style="background:{color}"></span>{esc(share.label)}'
             f'</td><td class="num">{esc(format_bytes(share.bytes))}</td><td class="num">{share.bytes:,}</td>'

@@ -53,7 +53,21 @@ class _Page:
         return html
 
 
+def _rules_note(view: MemoryView) -> str:
+    if not view.category_rules:
+        return ""
+    rules = ", ".join(f"<code>{esc(name)}={esc(pattern)}</code>" for name, pattern in view.category_rules.items())
+    return (
+        '<p class="meta">User rules for categories (each frame searched as <code>file:line function</code>, innermost '
+        f"first; before inferred categories, after recorded ones): {rules}.</p>"
+    )
+
+
 def _inferred_note(view: MemoryView) -> str:
+    return _inferred_text(view) + _rules_note(view)
+
+
+def _inferred_text(view: MemoryView) -> str:
     if not view.is_memtrace and view.inferred:
         return (
             '<p class="meta">Categories are inferred from stack frames and lifetimes (the snapshot was not '

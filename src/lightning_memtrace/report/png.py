@@ -9,7 +9,7 @@ from typing import Any
 from lightning_memtrace.analysis.model import DeviceReplay
 from lightning_memtrace.atomic import atomic_write_with
 from lightning_memtrace.report.figure import TimelineData, axis_unit
-from lightning_memtrace.report.style import CATEGORY_COLORS
+from lightning_memtrace.report.style import category_color
 from lightning_memtrace.types import category_label
 from lightning_memtrace.units import format_bytes
 
@@ -34,7 +34,7 @@ def timeline_figure(dev: DeviceReplay, data: TimelineData, title: str) -> Any:
             data.x,
             *[data.series[c].to_numpy() / unit for c in cats],
             labels=[category_label(c) for c in cats],
-            colors=[CATEGORY_COLORS.get(c, "#444") for c in cats],
+            colors=[category_color(c, dev.rule_categories) for c in cats],
             step="post",
             alpha=0.9,
         )

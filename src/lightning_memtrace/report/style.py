@@ -19,6 +19,21 @@ CATEGORY_COLORS: dict[str, str] = {
     "optimizer_intermediates": "#c5b0d5",
     "other": "#17becf",  # not a grey: pre-existing is the grey one
 }
+#: Colours of the categories user rules add (``--rule``, ``category_rules``), given in rule order (then again from the
+#: first): none is a colour of the built-in categories, of the reserved line (#2ca02c) or a grey.
+RULE_COLORS: tuple[str, ...] = ("#e377c2", "#bcbd22", "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#5254a3")
+
+
+def category_color(category: str, rule_categories: tuple[str, ...] | list[str] = ()) -> str:
+    """The colour of a category: the built-in one's, else the one of its place among the rule categories."""
+    color = CATEGORY_COLORS.get(category)
+    if color is not None:
+        return color
+    if category in rule_categories:
+        return RULE_COLORS[list(rule_categories).index(category) % len(RULE_COLORS)]
+    return "#444"
+
+
 PHASE_COLORS = {
     "forward": "rgba(255,127,14,0.07)",
     "backward": "rgba(214,39,40,0.07)",
