@@ -226,3 +226,24 @@ def test_stdio_server(mcp_client: Any, tmp_path: Path) -> None:
     assert not good.is_error and good.structured_content["schema"] == "memtrace.summary/1"
     assert bad.is_error and bad.content[0].text.startswith("memtrace: error: ") and "refused" in bad.content[0].text
     assert not marker.exists()
+
+
+def _has_rule_option() -> bool:
+    parser = build_parser()
+    summary = next(a for a in parser._actions if a.dest == "command").choices["summary"]
+    return any("--rule" in action.option_strings for action in summary._actions)
+
+
+def test_summary_and_diff_tools_pass_rules(mcp_client: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """``rules`` become ``--rule NAME=REGEX`` (where the command has the option)."""
+    if not _has_rule_option():
+        pytest.skip("memtrace summary has no --rule option in this checkout")
+    path = str(fixture_path("shreyansh26_profile_grad.pkl"))
+    rule = "mine=profile_grad"
+    code, out, _ = run_cli(capsys, ["summary", path, "--json", "--rule", rule])
+    assert code == 0
+    assert_same_json(call(mcp_client, "summary", {"path": path, "rules": [rule]}), out)
+    other = str(fixture_path("shreyansh26_profile_no_grad.pkl"))
+    code, out, _ = run_cli(capsys, ["diff", other, path, "--json", "--rule", rule])
+    assert code == 0
+    assert_same_json(call(mcp_client, "diff", {"base": other, "other": path, "rules": [rule]}), out)
