@@ -14,7 +14,12 @@ With ``--repeat N`` the snapshot is instead the fixture's whole trace N times ov
 shape of a long real recording, where every event has its own list. ``memtrace summary`` is timed on it too.
 
 usage: python benchmarks/report_speed.py [--events 1000000 | --repeat 50] [--out build/bench] [--torch-timeout 120]
-    [--skip-torch] [--summary-only]
+    [--skip-torch] [--summary-only] [--targets [--runs 2]]
+
+With ``--targets`` (issue 16, point 7: use with ``--repeat 50``) it prints side by side, from one run: ``pickle.load``
+with the garbage collector paused, ``memtrace summary --json`` and ``memtrace report`` (each in-process with imports
+done, and as the console script in a subprocess with its peak RSS), and the ratios against the targets: summary
+within 2.5x of the paused ``pickle.load`` and <= 1 GiB peak RSS, report within 4x.
 """
 
 from __future__ import annotations
@@ -63,10 +68,10 @@ elif kind == "torch":
         data = pickle.load(f)
     t_loaded = time.perf_counter()
     text = _memory_viz.trace(data)
-elif kind == "summary":
+elif kind in ("summary", "summary_json"):
     import contextlib, io
     with contextlib.redirect_stdout(io.StringIO()):
-        code = main(["summary", path])
+        code = main(["summary", path] + (["--json"] if kind == "summary_json" else []))
     assert code == 0
 else:
     code = main(["report", path, "-o", out])
@@ -167,6 +172,74 @@ def _row(label: str, r: dict[str, Any], note: str = "") -> None:
     print(f"  {label:<42} {r['seconds']:7.2f} s wall {r['cpu']:7.2f} s CPU   {rss}  {note}")
 
 
+def _console_script() -> str:
+    script = Path(sys.executable).with_name("memtrace")
+    return str(script) if script.exists() else "memtrace"
+
+
+def _targets(snap_path: Path, html: Path, events: int, runs: int = 2) -> int:
+    """Issue 16, point 7: summary --json within 2.5x of pickle.load (gc paused) and <= 1 GiB RSS; report within 4x."""
+    script = _console_script()
+    plan: dict[str, tuple[str, list[str] | None]] = {
+        "floor": ("pickle_nogc", None),
+        "summary": ("summary_json", None),
+        "summary_cmd": ("command", [script, "summary", "--json", str(snap_path)]),
+        "report": ("inprocess", None),
+        "report_cmd": ("command", [script, "report", str(snap_path), "-o", str(html)]),
+        # an empty command: what the interpreter, the imports and the package cost before any file is read
+        "bare_cmd": ("command", [script, "--version"]),
+    }
+    # each measured `runs` times, interleaved (so that a burst of other work hits every row alike); the fastest run
+    # of each, and the highest RSS
+    best: dict[str, dict[str, Any]] = {}
+    rounds: list[dict[str, dict[str, Any]]] = []
+    for _ in range(runs):
+        rounds.append({})
+        for key, (kind, command) in plan.items():
+            r = rounds[-1][key] = _run(kind, snap_path, html, 300, command=command)
+            if key not in best or r["seconds"] < best[key]["seconds"]:
+                best[key] = {**r, "rss": max(r.get("rss", 0), best.get(key, {}).get("rss", 0))}
+            else:
+                best[key]["rss"] = max(best[key]["rss"], r.get("rss", 0))
+    floor, summary, summary_cmd = best["floor"], best["summary"], best["summary_cmd"]
+    report, report_cmd, bare_cmd = best["report"], best["report_cmd"], best["bare_cmd"]
+    print(f"best of {runs} runs each:")
+    print(f"{events:,}-event snapshot ({snap_path.stat().st_size / 1e6:.1f} MB):")
+    _row("pickle.load, gc paused (the floor)", floor)
+    _row("memtrace summary --json, in-process", summary)
+    _row("memtrace summary --json, console script", summary_cmd, "(subprocess: max RSS of the child)")
+    _row("memtrace report, in-process", report)
+    _row("memtrace report, console script", report_cmd)
+    _row("memtrace --version, console script", bare_cmd, "(interpreter + imports alone)")
+    print()
+    s_ratio = summary["seconds"] / floor["seconds"]
+    s_cmd_ratio = summary_cmd["seconds"] / floor["seconds"]
+    s_net_ratio = (summary_cmd["seconds"] - bare_cmd["seconds"]) / floor["seconds"]
+    r_ratio = report["seconds"] / floor["seconds"]
+    r_cmd_ratio = report_cmd["seconds"] / floor["seconds"]
+    print(
+        f"summary --json / pickle.load: {s_ratio:.2f}x in-process, {s_cmd_ratio:.2f}x console script "
+        f"({s_net_ratio:.2f}x less the interpreter and imports); target <= 2.5x"
+    )
+    print(
+        f"summary --json peak RSS: {summary['rss'] / 2**30:.2f} GiB in-process, "
+        f"{summary_cmd['rss'] / 2**30:.2f} GiB console script; target <= 1 GiB"
+    )
+    print(f"report / pickle.load: {r_ratio:.2f}x in-process, {r_cmd_ratio:.2f}x console script; target <= 4x")
+    if runs > 1:
+        # the ratio within each round (the rows measured minutes apart, under the same load), then their median
+        for label, key in (("summary --json", "summary"), ("report", "report")):
+            for clock in ("seconds", "cpu"):
+                each = sorted(r[key][clock] / r["floor"][clock] for r in rounds)
+                shown = ", ".join(f"{x:.2f}x" for x in each)
+                print(
+                    f"{label} / pickle.load per round ({clock}, in-process): {shown}; median {each[len(each) // 2]:.2f}x"
+                )
+    ok = s_ratio <= 2.5 and summary_cmd["rss"] <= 2**30 and r_ratio <= 4.0
+    print(f"targets (in-process times, console-script RSS): {'met' if ok else 'NOT met'}")
+    return 0 if ok else 1
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--events", type=int, default=1_000_000)
@@ -180,6 +253,10 @@ def main() -> int:
     parser.add_argument("--skip-torch", action="store_true")
     parser.add_argument("--repeat", type=int, default=None, help="the fixture's trace this many times (see above)")
     parser.add_argument("--summary-only", action="store_true", help="time pickle.load and memtrace summary only")
+    parser.add_argument(
+        "--targets", action="store_true", help="pickle.load (gc paused), summary --json and report side by side"
+    )
+    parser.add_argument("--runs", type=int, default=2, help="with --targets: runs of each measurement (the best)")
     args = parser.parse_args()
     if not FIXTURE.is_file():
         print(f"fixture missing: {FIXTURE}", file=sys.stderr)
@@ -209,6 +286,8 @@ def main() -> int:
         pass
     html = args.out / "long_report.html"
 
+    if args.targets:
+        return _targets(snap_path, html, events, args.runs)
     floor = _run("pickle", snap_path, html, 300)
     floor_nogc = _run("pickle_nogc", snap_path, html, 300)
     summary = _run("summary", snap_path, html, 300)

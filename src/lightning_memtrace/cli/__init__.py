@@ -1,4 +1,5 @@
-"""The ``memtrace`` command: ``report``, ``summary``, ``diff``, ``estimate`` (and subcommands other modules register).
+"""The ``memtrace`` command: ``report``, ``summary``, ``diff``, ``estimate``, ``mcp`` (and subcommands other modules
+register).
 
 Every error prints one line ``memtrace: error: ...`` on stderr and exits with status 2; no traceback.
 

@@ -33,23 +33,36 @@ def _bytes(value: int) -> str:
     return f"{format_bytes(value)} ({value:,} B)"
 
 
-def run(args: argparse.Namespace) -> int:
-    from rich.table import Table
-
+def _load(args: argparse.Namespace, callback: Any = None) -> tuple[Any, Any, Any]:
     from lightning_memtrace.analysis.diff import diff_sources
     from lightning_memtrace.analysis.source import load_source
 
-    with progress() as callback:
-        a = load_source(args.a, progress=callback, **loader_kwargs(args))
-        b = load_source(args.b, progress=callback, **loader_kwargs(args))
-    result = diff_sources(a, b)
+    a = load_source(args.a, progress=callback, **loader_kwargs(args))
+    b = load_source(args.b, progress=callback, **loader_kwargs(args))
+    return diff_sources(a, b), a, b
+
+
+def diff_payload(args: argparse.Namespace, progress: Any = None) -> dict[str, Any]:
+    """``memtrace diff --json``'s object for parsed ``args``: what the command prints and the MCP ``diff`` tool
+    returns."""
+    from lightning_memtrace.analysis.answers import diff_object
+
+    result, a, b = _load(args, progress)
+    return diff_object(result, a, b, args.sites)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
     if args.json:
         import json
 
-        from lightning_memtrace.analysis.answers import diff_object
-
-        print(json.dumps(diff_object(result, a, b, args.sites), indent=2))
+        with progress() as callback:
+            payload = diff_payload(args, callback)
+        print(json.dumps(payload, indent=2))
         return 0
+    with progress() as callback:
+        result, _, _ = _load(args, callback)
     out = console()
     out.print(f"A = {result.a_name}\nB = {result.b_name}", markup=False)
     for title, frame, key in (

@@ -17,10 +17,15 @@ class CliError(Exception):
     """An error to show as one line."""
 
 
+def error_text(message: str) -> str:
+    """``memtrace: error: <message on one line>``."""
+    line = " ".join(str(message).split())
+    return f"{PROG}: error: {line}"
+
+
 def error_line(message: str) -> int:
     """Write ``memtrace: error: <message on one line>`` to stderr; returns :data:`ERROR_EXIT`."""
-    line = " ".join(str(message).split())
-    sys.stderr.write(f"{PROG}: error: {line}\n")
+    sys.stderr.write(error_text(message) + "\n")
     sys.stderr.flush()
     return ERROR_EXIT
 
@@ -75,4 +80,20 @@ class Parser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line on stderr and exit status 2."""
 
     def error(self, message: str) -> NoReturn:
-        fail(f"{message} (see '{self.prog} --help')")
+        fail(usage_error(self, message))
+
+
+def usage_error(parser: argparse.ArgumentParser, message: str) -> str:
+    """The one-line text of a parser's error."""
+    return f"{message} (see '{parser.prog} --help')"
+
+
+class RaisingParser(Parser):
+    """A :class:`Parser` whose errors raise :class:`CliError` (same one-line text) instead of exiting: for callers
+    that parse ``memtrace`` arguments inside a process that must keep running (the MCP server)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise CliError(usage_error(self, message))
+
+    def exit(self, status: int = 0, message: str | None = None) -> NoReturn:
+        raise CliError(message or f"exit status {status}")

@@ -55,7 +55,7 @@ ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3
 #: Options passed through to :func:`~lightning_memtrace.estimator.estimate_from_config` as they are.
 _ESTIMATE_OPTIONS = ("optimizer", "precision", "gradient_checkpointing", "accumulate_grad_batches", "device", "fsdp")
 #: Errors whose message alone is the one line (anything else also names its type).
-_PLAIN_ERRORS = (ValueError, OSError, KeyError, TypeError, ModuleNotFoundError, json.JSONDecodeError)
+PLAIN_ERRORS = (ValueError, OSError, KeyError, TypeError, ModuleNotFoundError, json.JSONDecodeError)
 
 
 def _configure(parser: argparse.ArgumentParser) -> None:
@@ -156,7 +156,7 @@ add_subcommand = add_estimate_subcommand
 
 def run_estimate(args: argparse.Namespace) -> int:
     """Run ``memtrace estimate``; returns the exit status (never raises, never prints a traceback)."""
-    return run_guarded(_run, args, error_line, lambda: error_line("interrupted"), _PLAIN_ERRORS)
+    return run_guarded(_run, args, error_line, lambda: error_line("interrupted"), PLAIN_ERRORS)
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -198,7 +198,7 @@ def _compute(args: argparse.Namespace) -> tuple[Any, Any]:
     return shown, search
 
 
-def _print_json(args: argparse.Namespace, shown: Any, search: Any, fits: bool | None) -> None:
+def _json_object(args: argparse.Namespace, shown: Any, search: Any, fits: bool | None) -> dict[str, Any]:
     payload: dict[str, Any] = {"estimate": shown.as_dict() if shown is not None else None}
     if args.device_memory is not None:
         payload["device_memory"] = args.device_memory
@@ -206,7 +206,24 @@ def _print_json(args: argparse.Namespace, shown: Any, search: Any, fits: bool | 
     if search is not None:
         payload["max_batch_size"] = search.batch_size
         payload["searched_peaks"] = {str(k): v for k, v in search.peaks.items()}
-    print(json.dumps(payload, indent=2))
+    return payload
+
+
+def _print_json(args: argparse.Namespace, shown: Any, search: Any, fits: bool | None) -> None:
+    print(json.dumps(_json_object(args, shown, search, fits), indent=2))
+
+
+def _results(args: argparse.Namespace) -> tuple[Any, Any, bool | None]:
+    _check(args)
+    shown, search = _compute(args)
+    fits = shown.fits(args.device_memory) if shown is not None and args.device_memory is not None else None
+    return shown, search, fits
+
+
+def estimate_payload(args: argparse.Namespace) -> dict[str, Any]:
+    """``memtrace estimate --json``'s object for parsed ``args`` (whether or not it fits): what the command prints
+    and the MCP ``estimate`` tool returns."""
+    return _json_object(args, *_results(args))
 
 
 def _distinct(*values: int) -> list[str]:
@@ -297,11 +314,10 @@ def _run_what_if(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    _check(args)
     if args.what_if:
+        _check(args)
         return _run_what_if(args)
-    shown, search = _compute(args)
-    fits = shown.fits(args.device_memory) if shown is not None and args.device_memory is not None else None
+    shown, search, fits = _results(args)
     (_print_json if args.json else _print_text)(args, shown, search, fits)
     if (search is not None and search.batch_size == 0) or fits is False:
         return NOT_FIT_EXIT

@@ -61,16 +61,31 @@ def question_of(args: argparse.Namespace) -> Any:
     return question
 
 
-def print_json(args: argparse.Namespace, sources: list[Any], question: Any) -> None:
-    """``summary --json``: one object on stdout."""
+def json_object(args: argparse.Namespace, sources: list[Any], question: Any) -> dict[str, Any]:
+    """``summary --json``'s object for the loaded ``sources``."""
     from lightning_memtrace.analysis.answers import summary_object
     from lightning_memtrace.analysis.questions import QuestionError
 
     try:
-        obj = summary_object(args.path, sources, question, args.sites, args.device)
+        return summary_object(args.path, sources, question, args.sites, args.device)
     except QuestionError as error:
         raise CliError(str(error)) from None
-    print(json.dumps(obj, indent=2))
+
+
+def summary_payload(args: argparse.Namespace, progress: Any = None) -> dict[str, Any]:
+    """``memtrace summary --json``'s object for parsed ``args``: the question checked, the sources loaded (with the
+    size limit of ``--max-bytes``), the answer. What the command prints and what the MCP ``summary`` tool returns."""
+    from lightning_memtrace.analysis.source import load_sources
+    from lightning_memtrace.cli.args import loader_kwargs
+
+    question = question_of(args)
+    sources = load_sources(args.path, progress=progress, **loader_kwargs(args))
+    return json_object(args, sources, question)
+
+
+def print_json(args: argparse.Namespace, sources: list[Any], question: Any) -> None:
+    """``summary --json``: one object on stdout."""
+    print(json.dumps(json_object(args, sources, question), indent=2))
 
 
 def _bytes(value: int) -> str:

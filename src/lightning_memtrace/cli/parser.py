@@ -24,7 +24,7 @@ from lightning_memtrace.cli import diff, report, summary
 from lightning_memtrace.cli.errors import ERROR_EXIT, PROG, READ_ERRORS, CliError, Parser, fail, run_guarded
 
 #: Modules that may define ``add_subcommand(subparsers)``; missing ones are skipped.
-SUBCOMMAND_MODULES: tuple[str, ...] = ("lightning_memtrace.cli.estimate",)
+SUBCOMMAND_MODULES: tuple[str, ...] = ("lightning_memtrace.cli.estimate", "lightning_memtrace.cli.mcp")
 
 SubcommandAdder = Callable[[Any], None]
 _REGISTERED: list[SubcommandAdder] = []
@@ -52,15 +52,17 @@ def _module_adders() -> list[SubcommandAdder]:
     return adders
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``memtrace`` parser with every subcommand: built-in, listed in :data:`SUBCOMMAND_MODULES`, registered."""
+def build_parser(parser_class: type[Parser] = Parser) -> argparse.ArgumentParser:
+    """The ``memtrace`` parser with every subcommand: built-in, listed in :data:`SUBCOMMAND_MODULES`, registered.
+
+    ``parser_class`` makes the parser and every subcommand's (``RaisingParser``: errors raise instead of exiting)."""
     import lightning_memtrace
 
     # A package object without the attribute (a benchmark's stand-in for the lazy package) still gets a parser.
     version = getattr(lightning_memtrace, "__version__", "unknown")
-    parser = Parser(prog=PROG, description="Read PyTorch memory snapshots and MemTrace logs.")
+    parser = parser_class(prog=PROG, description="Read PyTorch memory snapshots and MemTrace logs.")
     parser.add_argument("--version", action="version", version=f"{PROG} (lightning_memtrace) {version}")
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=parser_class)
     report.add_subcommand(subparsers)
     summary.add_subcommand(subparsers)
     diff.add_subcommand(subparsers)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from typing import Any
 
 from lightning_memtrace.cli.args import add_max_bytes, add_rules, add_sites, loader_kwargs
 from lightning_memtrace.cli.console import console, progress
-from lightning_memtrace.cli.moments import add_question_options, print_json, print_moment, question_of
+from lightning_memtrace.cli.moments import add_question_options, print_moment, question_of, summary_payload
 from lightning_memtrace.units import format_bytes
 
 
@@ -268,12 +269,14 @@ def print_source(out: Any, source: Any, sites: int) -> None:
 def run(args: argparse.Namespace) -> int:
     from lightning_memtrace.analysis.source import load_sources
 
+    if args.json:
+        with progress() as callback:
+            payload = summary_payload(args, progress=callback)
+        print(json.dumps(payload, indent=2))
+        return 0
     question = question_of(args)
     with progress() as callback:
         sources = load_sources(args.path, progress=callback, **loader_kwargs(args))
-    if args.json:
-        print_json(args, sources, question)
-        return 0
     out = console()
     if len(sources) > 1:
         out.print(f"{args.path}: {len(sources)} runs, oldest first", markup=False)
