@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import dataclasses
 import gc
 import io
@@ -21,12 +22,29 @@ import os
 import pickle
 import re
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from lightning_memtrace.schema import read_header
 from lightning_memtrace.units import format_bytes
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector, as it was after.
+
+    A snapshot is millions of small dicts and lists (acyclic: reference counting frees them); building or walking
+    them otherwise triggers collections that walk them all again, over and over (3x slower on a million events). The
+    loader, the replay and each ``memtrace`` command (from the load to its last line of output) run under it.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 #: Default cap on the bytes read (and, for gzip and HTML, decompressed/decoded) from one snapshot file.
 DEFAULT_MAX_BYTES = 8 * 1024**3
@@ -221,10 +239,9 @@ def unpickle_restricted(raw: bytes, where: str = "<bytes>") -> Any:
     """
     if not raw:
         raise SnapshotError(f"{where}: empty file")
-    was_enabled = gc.isenabled()
-    gc.disable()  # a million small dicts would trigger the cyclic collector over and over (3x slower)
     try:
-        return RestrictedUnpickler(io.BytesIO(raw)).load()
+        with gc_paused():
+            return RestrictedUnpickler(io.BytesIO(raw)).load()
     except SnapshotError as error:
         raise SnapshotError(f"{where}: {error}") from None
     except EOFError:
@@ -239,9 +256,6 @@ def unpickle_restricted(raw: bytes, where: str = "<bytes>") -> Any:
         raise SnapshotError(
             f"{where}: corrupt or truncated pickle ({type(error).__name__}: {_one_line(str(error))})"
         ) from None
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def _is_segment(value: Any) -> bool:

@@ -16,9 +16,7 @@ frame list, so a million-event trace replays in about a second.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 from collections.abc import Iterator
 from typing import Any
 
@@ -37,7 +35,7 @@ from lightning_memtrace.analysis.events import (
     first_positions,
     scatter_add,
 )
-from lightning_memtrace.analysis.loader import Snapshot, SnapshotError, normalize
+from lightning_memtrace.analysis.loader import Snapshot, SnapshotError, gc_paused, normalize
 from lightning_memtrace.analysis.model import DeviceReplay, Replay
 from lightning_memtrace.analysis.rules import NO_RULES, CategoryRules, RuleError, RulesLike
 from lightning_memtrace.analysis.stacks import (
@@ -568,7 +566,7 @@ def _replay(snapshot: Snapshot, source: str | None, rules: CategoryRules = NO_RU
     annotations = snapshot.external_annotations
     memtrace = snapshot.memtrace
     result: dict[int, DeviceReplay] = {}
-    with _gc_paused():
+    with gc_paused():
         for device in sorted(devices):
             trace = traces[device] if device < len(traces) else []
             result[device] = replay_device(device, trace, segments, annotations, memtrace, rules)
@@ -585,13 +583,3 @@ def _replay(snapshot: Snapshot, source: str | None, rules: CategoryRules = NO_RU
     )
 
 
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector: building a million small objects otherwise triggers it again and again."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()

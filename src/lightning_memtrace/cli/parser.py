@@ -13,11 +13,9 @@ where ``handler(args: argparse.Namespace) -> int`` returns the exit status. Rais
 from __future__ import annotations
 
 import argparse
-import contextlib
-import gc
 import importlib
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from lightning_memtrace.cli import diff, report, summary
@@ -85,7 +83,7 @@ def _interrupted() -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``memtrace``; returns the exit status (errors: one line on stderr, status 2)."""
-    from lightning_memtrace.analysis.loader import SnapshotError
+    from lightning_memtrace.analysis.loader import SnapshotError, gc_paused
 
     parser = build_parser()
     args = parser.parse_args(list(argv) if argv is not None else None)
@@ -97,18 +95,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_guarded(func, args, fail, _interrupted, (SnapshotError, CliError), READ_ERRORS)
 
 
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector for the whole command, restored after.
-
-    A snapshot is millions of small dicts and lists (acyclic: reference counting frees them); once loaded, every
-    collection the allocations of the replay and the report trigger would walk them all again (seconds on a
-    million-event file). The loader and the replay pause it for their own work; a command pauses it from the load
-    to its last line of output."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
