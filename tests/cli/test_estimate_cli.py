@@ -235,7 +235,7 @@ def test_attention_implementation(capsys, one_layer):
     assert "attention sdpa (flash kernel)" in capsys.readouterr().out.splitlines()[0]  # the table's header
 
 
-def test_unavailable_attention_is_one_line(capsys):
+def test_unavailable_attention_is_one_line(capsys, one_layer):
     pytest.importorskip("transformers")
     try:
         import flash_attn  # noqa: F401
@@ -243,7 +243,7 @@ def test_unavailable_attention_is_one_line(capsys):
         pass
     else:
         pytest.skip("flash_attn is installed")
-    argv = ["--config", TINY, "--batch-size", "1", "--seq-len", "8", "--attn-implementation", "flash_attention_2"]
+    argv = ["--config", one_layer, "--batch-size", "1", "--seq-len", "8", "--attn-implementation", "flash_attention_2"]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "estimate with 'sdpa'" in err[0] and "cannot read the model config" not in err[0]
