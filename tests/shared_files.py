@@ -10,6 +10,15 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED = REPO_ROOT.parent / "shared"
 FIXTURES = SHARED / "fixtures" / "snapshots"
 CONFIGS = SHARED / "reference" / "configs"
+#: Every snapshot in ``FIXTURES``.
+ALL_FIXTURES = [
+    "shreyansh26_profile_grad.pkl",
+    "shreyansh26_profile_no_grad.pkl",
+    "drisspg_mini_snapshot.pickle",
+    "kkaitlyn111_memory_files_memory_ctx128_fullstep.pickle",
+    "MAGMA27_assignment2_memory_snapshot.pickle",
+    "Muduard_memory_snapshot.pkl",
+]
 
 
 def fixture_path(name: str) -> Path:

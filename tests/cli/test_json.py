@@ -12,20 +12,11 @@ from typing import Any
 import numpy as np
 import pytest
 from json_schema import DIFF, SUMMARY, check_shape
-from shared_files import fixture_path
+from shared_files import ALL_FIXTURES, fixture_path
 
 from lightning_memtrace.analysis.loader import load_snapshot
 from lightning_memtrace.analysis.replay import replay
 from lightning_memtrace.cli import main
-
-ALL_FIXTURES = [
-    "shreyansh26_profile_grad.pkl",
-    "shreyansh26_profile_no_grad.pkl",
-    "drisspg_mini_snapshot.pickle",
-    "kkaitlyn111_memory_files_memory_ctx128_fullstep.pickle",
-    "MAGMA27_assignment2_memory_snapshot.pickle",
-    "Muduard_memory_snapshot.pkl",
-]
 
 
 def run_json(capsys: pytest.CaptureFixture[str], args: list[str]) -> dict[str, Any]:

@@ -10,7 +10,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader, Dataset
+from lm_helpers import RandomTokens
+from torch.utils.data import DataLoader
 
 _LAYERS: dict[str, Any] = {"num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 1000}
 _DECODER: dict[str, Any] = dict(_LAYERS, hidden_size=64, intermediate_size=128, max_position_embeddings=256)
@@ -43,17 +44,6 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
 }
 
 
-class _Tokens(Dataset):
-    def __init__(self, n: int, seq_len: int, vocab: int) -> None:
-        self.data = torch.randint(0, vocab, (n, seq_len), generator=torch.Generator().manual_seed(0))
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.data[index]}
-
-
 class ConfigLM(pl.LightningModule):
     """A causal LM from a config dict, as a user builds it (default attention unless ``attn_implementation``)."""
 
@@ -83,4 +73,4 @@ class ConfigLM(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(_Tokens(4 * self.batch_size, self.seq_len, self.model.config.vocab_size), self.batch_size)
+        return DataLoader(RandomTokens(4 * self.batch_size, self.seq_len, self.model.config.vocab_size), self.batch_size)

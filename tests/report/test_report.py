@@ -11,22 +11,14 @@ from typing import Any
 
 import numpy as np
 import pytest
+from shared_files import ALL_FIXTURES
+from shared_files import FIXTURES as SNAPSHOTS
 
 from lightning_memtrace.analysis.loader import SnapshotError, load_snapshot
 from lightning_memtrace.analysis.replay import replay
 from lightning_memtrace.analysis.source import load_source
 from lightning_memtrace.report import write_report
 from lightning_memtrace.report.figure import downsample_rows
-
-SNAPSHOTS = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "snapshots"
-ALL_FIXTURES = [
-    "shreyansh26_profile_grad.pkl",
-    "shreyansh26_profile_no_grad.pkl",
-    "drisspg_mini_snapshot.pickle",
-    "kkaitlyn111_memory_files_memory_ctx128_fullstep.pickle",
-    "MAGMA27_assignment2_memory_snapshot.pickle",
-    "Muduard_memory_snapshot.pkl",
-]
 
 
 def snapshot_fixture(name: str) -> Path:
@@ -375,6 +367,7 @@ def test_real_memtrace_recorder_output(tmp_path: Path) -> None:
     """End to end on what MemTrace's recorder writes (CPU tracker): recorded categories, figures agree with its CSV."""
     torch = pytest.importorskip("torch")
     from lm_helpers import record_plain_loop
+
     from lightning_memtrace.analysis.phases import load_phases
 
     torch.manual_seed(0)

@@ -127,7 +127,7 @@ def test_log_folder_report_is_titled_by_run(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
     from lm_helpers import record_plain_loop
     from lightning_memtrace.report import write_report
-    from lightning_memtrace.report.page import run_name
+    from lightning_memtrace.analysis.source import run_name
 
     folder = tmp_path / "lightning_logs" / "version_3" / "memtrace"
     model = torch.nn.Linear(32, 32)

@@ -207,9 +207,22 @@ def load_sources(
     return sources
 
 
+def run_name(path: Path) -> str:
+    """The name a run goes by: a snapshot's file name; a log folder's run (``lightning_logs/version_0`` for
+    ``lightning_logs/version_0/memtrace``, never ``memtrace``)."""
+    path = Path(path)
+    if not path.is_dir():
+        return path.name
+    folder = path.resolve()
+    if folder.name == MEMTRACE_DIR and folder.parent != folder:
+        folder = folder.parent
+    if folder.name.startswith("version_") and folder.parent.name:  # a logger's version folder: name its experiment too
+        return f"{folder.parent.name}/{folder.name}"
+    return folder.name
+
+
 def run_label(folder: Path, root: Path) -> str:
-    """A run folder as the user knows it: relative to what they passed (``version_1``), else the logger's
-    ``<name>/version_<n>``; never ``memtrace``."""
+    """A run folder as the user knows it: relative to what they passed (``version_1``), else its :func:`run_name`."""
     run = folder.parent if folder.name == MEMTRACE_DIR else folder
     try:
         relative = run.resolve().relative_to(root.resolve())
@@ -217,10 +230,7 @@ def run_label(folder: Path, root: Path) -> str:
         relative = None
     if relative is not None and str(relative) not in ("", "."):
         return relative.as_posix()
-    resolved = run.resolve()
-    if resolved.name.startswith("version_") and resolved.parent.name:
-        return f"{resolved.parent.name}/{resolved.name}"
-    return resolved.name or str(run)
+    return run_name(run)
 
 
 def load_source(

@@ -17,10 +17,10 @@ from pathlib import Path
 
 from lightning_memtrace.analysis.loader import DEFAULT_MAX_BYTES
 from lightning_memtrace.analysis.rules import RulesLike
-from lightning_memtrace.analysis.source import load_sources
+from lightning_memtrace.analysis.source import load_sources, run_name
 from lightning_memtrace.atomic import atomic_write_text
 from lightning_memtrace.report.figure import DEFAULT_MAX_POINTS
-from lightning_memtrace.report.page import render_html, render_runs_html, run_name
+from lightning_memtrace.report.page import render_html, render_runs_html
 
 __all__ = ["DEFAULT_MAX_POINTS", "render_html", "write_report"]
 

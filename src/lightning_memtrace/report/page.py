@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -13,9 +12,9 @@ from lightning_memtrace.analysis.annotations import annotated_ranges, annotation
 from lightning_memtrace.analysis.categories import INFERENCE_RULES
 from lightning_memtrace.analysis.findings import Finding, compute_findings, compute_findings_phases_only
 from lightning_memtrace.analysis.ranks import RankOverview, add_rank_finding, rank_overview
-from lightning_memtrace.analysis.source import LoadedSnapshot, ReportSource
+from lightning_memtrace.analysis.source import LoadedSnapshot, ReportSource, run_name
 from lightning_memtrace.analysis.view import MemoryView, snapshot_view
-from lightning_memtrace.files import ESTIMATE_COMPARISON_GLOB, MEMTRACE_DIR
+from lightning_memtrace.files import ESTIMATE_COMPARISON_GLOB
 from lightning_memtrace.report.figure import DEFAULT_MAX_POINTS, build_figure, phases_figure, timeline_data
 from lightning_memtrace.report.html import (
     breakdown_table,
@@ -312,20 +311,6 @@ def readable_numbers(frame: pd.DataFrame) -> pd.DataFrame:
             elif float(value).is_integer() and abs(value) >= 1000:
                 out.at[index, column] = f"{int(value):,}"
     return out
-
-
-def run_name(path: Path) -> str:
-    """The name a report is titled with: a snapshot's file name; a log folder's run (``lightning_logs/version_0`` for
-    ``lightning_logs/version_0/memtrace``, never ``memtrace``)."""
-    path = Path(path)
-    if not path.is_dir():
-        return path.name
-    folder = path.resolve()
-    if folder.name == MEMTRACE_DIR and folder.parent != folder:
-        folder = folder.parent
-    if folder.name.startswith("version_") and folder.parent.name:  # a logger's version folder: name its experiment too
-        return f"{folder.parent.name}/{folder.name}"
-    return folder.name
 
 
 def _header(source: ReportSource, findings: list[Finding], title: str) -> str:
