@@ -205,13 +205,15 @@ def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
-def repeated_blocks(model: nn.Module) -> list[nn.Module]:
-    """The children of the largest ``nn.ModuleList`` (else ``nn.Sequential``) by parameters: the repeated blocks."""
+def repeated_blocks(model: nn.Module, sequential: bool = True) -> list[nn.Module]:
+    """The children of the largest ``nn.ModuleList`` (else, with ``sequential``, ``nn.Sequential``) by parameters: the
+    repeated blocks."""
 
     def size(container: nn.Module) -> int:
         return sum(p.numel() for p in container.parameters())
 
-    for kind, least in ((nn.ModuleList, 1), (nn.Sequential, 2)):
+    kinds = ((nn.ModuleList, 1), (nn.Sequential, 2)) if sequential else ((nn.ModuleList, 1),)
+    for kind, least in kinds:
         containers = [m for m in model.modules() if type(m) is kind and len(m) >= least]
         if containers:
             return list(max(containers, key=size))

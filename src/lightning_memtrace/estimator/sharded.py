@@ -16,15 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-
-def repeated_blocks(model: nn.Module) -> list[nn.Module]:
-    """The blocks a run shards one by one: the children of the module's largest ``ModuleList`` (a transformer's
-    layers); none when it has no such list."""
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
-    if not lists:
-        return []
-    largest = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
-    return list(largest)
+from lightning_memtrace.estimator.remedies import repeated_blocks
 
 
 @contextlib.contextmanager
@@ -56,7 +48,8 @@ def shard_like_the_run(model: nn.Module, mesh: Any, reshard_after_forward: bool 
     """
     from torch.distributed.fsdp import fully_shard
 
-    blocks = repeated_blocks(model)
+    # the blocks a run shards one by one: the children of the largest ModuleList (a transformer's layers)
+    blocks = repeated_blocks(model, sequential=False)
     for block in blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
