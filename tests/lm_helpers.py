@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
+import lightning.pytorch as pl
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-import lightning.pytorch as pl
 from lightning_memtrace.models import TINY_QWEN2_CONFIG, build_causal_lm
 
 
@@ -171,3 +173,10 @@ def record_plain_loop(model: nn.Module, optimizer, folder, steps: int, batch_siz
             optimizer.zero_grad()
             recorder.end_batch()
     return recorder
+
+
+def launcher_env() -> dict[str, str]:
+    """This process's environment without the variables of a distributed launch, so that a script started from a test
+    launches its own ranks."""
+    launch = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_")
+    return {k: v for k, v in os.environ.items() if not k.startswith(launch)}

@@ -6,13 +6,13 @@ Each run is a fresh process whose real file descriptors 1 and 2 are captured (C+
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from lm_helpers import launcher_env
 
 SCRIPT = Path(__file__).resolve().parent / "console_run.py"
 CPP_LINE = re.compile(
@@ -30,7 +30,7 @@ _PROFILER_TABLE = re.compile(r"%|^-{8,}|Profiler Report|Self CPU|CPU time total"
 
 def _run(tmp_path: Path, mode: str, steps: int, memtrace: bool) -> tuple[int, list[str]]:
     out = tmp_path / f"{mode}_{steps}_{'memtrace' if memtrace else 'bare'}"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_"))}
+    env = launcher_env()
     env.update(PYTHONUNBUFFERED="1", PYTHONWARNINGS="default")
     args = [sys.executable, str(SCRIPT), str(out), mode, str(steps)] + (["memtrace"] if memtrace else [])
     result = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env, cwd=str(tmp_path))

@@ -4,21 +4,21 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from lm_helpers import launcher_env
+from test_console import CPP_LINE
 
 from lightning_memtrace import load_phases
-from test_console import CPP_LINE
 
 SCRIPT = Path(__file__).resolve().parent / "ddp_run.py"
 
 
 def _run(tmp_path: Path, mode: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_"))}
+    env = launcher_env()
     env["PYTHONUNBUFFERED"] = "1"
     return subprocess.run(
         [sys.executable, str(SCRIPT), str(tmp_path), mode],

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+from lm_helpers import launcher_env
 
 from lightning_memtrace import load_phases
 
@@ -14,7 +15,7 @@ SCRIPT = Path(__file__).resolve().parent / "fsdp2_run.py"
 
 
 def test_fsdp2_two_ranks_stay_on_and_count_their_local_shards(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_"))}
+    env = launcher_env()
     result = subprocess.run(
         [sys.executable, str(SCRIPT), str(tmp_path), "2"], capture_output=True, text=True, timeout=240, env=env,
         cwd=str(tmp_path),
@@ -63,7 +64,7 @@ def test_fsdp2_estimate_is_measured_and_matches_the_real_two_rank_run(tmp_path):
     from lightning_memtrace.estimator.inputs import lm_batch
     from lightning_memtrace.models import TINY_QWEN2_CONFIG, build_causal_lm
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_"))}
+    env = launcher_env()
     # With gloo, a gathered block's buffer is sometimes freed only after the next block is gathered (the collective's
     # work object lets go of it late), lifting one rank's peak by a decoder layer (2.8 MiB) or the root (2.0 MiB) at
     # random: 2-3% of this run's peak. The estimate (fake process group: no such delay) is the run without it.
@@ -149,7 +150,7 @@ def test_agrees_with_torchs_fsdp_mem_tracker(tmp_path):
 
 
 def test_fsdp2_one_rank_out_of_memory_writes_its_post_mortem(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_"))}
+    env = launcher_env()
     result = subprocess.run(
         [sys.executable, str(SCRIPT), str(tmp_path), "2", "cpu", "oom"], capture_output=True, text=True, timeout=240,
         env=env, cwd=str(tmp_path),

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from lm_helpers import launcher_env
 
 from lightning_memtrace import MemTrace, load_phases
 from lightning_memtrace.capture.storages import unique_storage_bytes
@@ -31,7 +31,7 @@ def _padded_bytes(shape: tuple[int, ...], world: int) -> int:
 
 def test_fsdp2_on_cuda_counts_local_shards_and_gathered_parameters(tmp_path: Path) -> None:
     world = min(2, torch.cuda.device_count())
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_"))}
+    env = launcher_env()
     result = subprocess.run(
         [sys.executable, str(SCRIPT), str(tmp_path), str(world), "cuda"],
         capture_output=True, text=True, timeout=600, env=env, cwd=str(tmp_path),
@@ -58,7 +58,6 @@ def test_fsdp2_on_cuda_counts_local_shards_and_gathered_parameters(tmp_path: Pat
 def test_fsdp1_on_one_gpu_stays_on_and_counts_the_flat_parameters(tmp_path: Path) -> None:
     import lightning.pytorch as pl
     from lightning.pytorch.strategies import FSDPStrategy
-
     from lm_helpers import MLP
 
     module = MLP(width=256)
