@@ -79,7 +79,7 @@ def test_post_mortem_with_what_if_table(expected) -> None:
         "text": "what if (today: peak 1.2 GiB, does not fit in 1.0 GiB ...):\n"
         "remedy     kind      peak     saved  fits  max batch  price\n"
         "bf16-true  measured  600 MiB  600 MiB  yes  8  bf16 weights and updates (precision loss)\n"
-        "to fit 1.0 GiB: bf16-true -> 600 MiB (measured)\nsnippet:\n  Trainer(precision=\"bf16-true\")",
+        'to fit 1.0 GiB: bf16-true -> 600 MiB (measured)\nsnippet:\n  Trainer(precision="bf16-true")',
     }
     text = render_post_mortem(pm)
     assert "what would fit (estimated on fake tensors" in text and "what to change:" not in text
