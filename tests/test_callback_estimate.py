@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import json
+
 import pandas as pd
 
 from lightning.pytorch.loggers import CSVLogger
-from lightning_memtrace import MemTrace
+from lightning_memtrace import MemTrace, what_if
 from lightning_memtrace.capture.storages import unique_storage_bytes
+from lightning_memtrace.estimator.budget import device_memory_bytes
 from lm_helpers import MLP, trainer
 
 
 def test_estimate_logged_and_compared_with_the_run(tmp_path):
     logger = CSVLogger(str(tmp_path), name="csv")
-    callback = MemTrace(estimate=True)
+    callback = MemTrace(estimate=True, what_if_budget_s=0)  # the what-if: test_estimate_writes_what_would_fit
     module = MLP()
     trainer(tmp_path, [callback], max_steps=3, logger=logger).fit(module)
+    assert callback.what_if_path is None and not list(callback.output_dir.glob("what_if_rank*"))
     assert callback.estimated
     pbytes = unique_storage_bytes(module.parameters())
     categories = {getattr(k, "value", k): v for k, v in callback.estimated.category_bytes().items()}
@@ -30,3 +34,29 @@ def test_estimate_logged_and_compared_with_the_run(tmp_path):
     assert "Estimate vs measured" in html
     metrics = pd.read_csv(f"{logger.log_dir}/metrics.csv")
     assert metrics["memtrace/estimate/parameters"].dropna().iloc[0] * 1024**2 == pbytes
+
+
+def test_estimate_writes_what_would_fit(tmp_path):
+    callback = MemTrace(estimate=True, history=False)
+    module = MLP()
+    trainer(tmp_path, [callback], max_steps=2).fit(module)
+    folder = callback.output_dir
+    assert callback.what_if_path == folder / "what_if_rank0.csv"
+    written = pd.read_csv(callback.what_if_path)
+
+    first = next(iter(module.train_dataloader()))
+    direct = what_if(module, first, device_memory=device_memory_bytes("cpu"), precision="32-true")
+    assert list(written.columns) == list(direct.columns) and len(written) == len(direct) >= 5
+    assert list(written.remedy) == list(direct.remedy)
+    for column in [c for c in direct.columns if c.endswith("_bytes")] + ["max_micro_batch"]:
+        assert written[column].dtype.kind == "i" and list(written[column]) == [int(v) for v in direct[column]], column
+    assert list(written.fits) == list(direct.fits) and list(written.kind) == list(direct.kind)
+    extra = json.loads((folder / "what_if_rank0.json").read_text())
+    assert extra["combination"] == direct.attrs["combination"] and extra["peak_bytes"] == direct.attrs["peak_bytes"]
+
+    html = (folder / "report.html").read_text()
+    estimate_at, what_if_at = html.index("Estimate vs measured"), html.index("What would fit (what_if_rank0.csv)")
+    assert estimate_at < what_if_at
+    section = html[what_if_at:]
+    assert all(remedy in section for remedy in direct.remedy)
+    assert "to fit " in section and ": nothing to change" in section  # the combination line: the MLP fits as it is

@@ -7,8 +7,10 @@ import pickle
 import pytest
 import torch
 
-from lightning_memtrace import MemoryRecorder, MemTrace, load_phases
+from lightning_memtrace import MemoryRecorder, MemTrace, load_phases, what_if
 from lightning_memtrace.capture.storages import unique_storage_bytes
+from lightning_memtrace.estimator.budget import device_memory_bytes
+from lightning_memtrace.units import format_bytes
 from lm_helpers import MLP, trainer
 
 
@@ -63,7 +65,10 @@ def test_plain_loop_recorder_writes_post_mortem_and_reraises(tmp_path):
     text = (tmp_path / "oom_rank0_step0.txt").read_text()
     assert "died in:       the optimizer step" in text
     assert "(1,000,000,000,000,000 B)" in text
-    assert not recorder.started
+    assert not recorder.started and recorder.batch is None
+    # the plain loop's what-if: the model, the batch of begin_batch, the optimizer's class and defaults, fp32
+    table = _section(text, "what would fit (estimated on fake tensors")
+    assert table[0].startswith("  what if (today: peak ") and any(line.split()[0] == "bf16-true" for line in table)
 
 
 def test_oom_names_its_post_mortem_and_report_in_one_line(tmp_path, capsys):
@@ -87,3 +92,84 @@ def test_plain_loop_oom_names_its_post_mortem(tmp_path, capsys):
             torch.empty(10**15, dtype=torch.uint8)
     err = capsys.readouterr().err.splitlines()
     assert f"[rank 2] MemTrace: out of memory at step 4 (forward); post-mortem: {tmp_path / 'oom_rank2_step4.txt'}" in err
+
+
+#: The phrase each category's advice line starts with (analysis.postmortem.advice).
+ADVICE_PHRASES = {
+    "activations": "Activations saved for backward",
+    "optimizer_state": "Optimizer state holds",
+    "gradients": "Gradients (",
+    "unsharded_parameters": "Gathered (unsharded) parameters",
+}
+
+
+def _section(text: str, title: str) -> list[str]:
+    """The indented lines under ``title`` up to the next blank line."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(title))
+    out = []
+    for line in lines[start + 1 :]:
+        if not line.strip():
+            break
+        out.append(line)
+    return out
+
+
+def test_cpu_oom_post_mortem_shows_what_would_fit(tmp_path):
+    callback = MemTrace()
+    module = MLP(oom_at=1)
+    with pytest.raises(RuntimeError, match="can't allocate memory"):
+        trainer(tmp_path, [callback], max_steps=3).fit(module)
+    folder = callback.output_dir
+    text = (folder / "oom_rank0_step1.txt").read_text()
+    with open(folder / "oom_rank0_step1.pickle", "rb") as handle:
+        post = pickle.load(handle)["memtrace"]["post_mortem"]
+
+    # the batch it died on (batch_idx 1: the same shapes as every batch of this loader), the run's settings
+    batch = list(module.train_dataloader())[1]
+    direct = what_if(module, batch, device_memory=device_memory_bytes("cpu"), precision="32-true")
+    assert post["what_if"]["made"] and post["what_if"]["note"] is None
+    rows = post["what_if"]["what_if"]
+    assert [r["remedy"] for r in rows] == list(direct.remedy) and len(rows) >= 5
+    for row, (_, expected) in zip(rows, direct.iterrows()):
+        assert row["peak_bytes"] == expected.peak_bytes and row["saved_bytes"] == expected.saved_bytes
+        assert row["max_micro_batch"] == expected.max_micro_batch and row["kind"] == expected.kind
+    assert post["what_if"]["peak_bytes"] == direct.attrs["peak_bytes"]
+    assert post["what_if"]["combination"] == direct.attrs["combination"]  # None: the 1 PB request fits nowhere
+
+    table = _section(text, "what would fit (estimated on fake tensors")
+    assert table[0].startswith("  what if (today: peak 909.5 TiB, does not fit in")
+    for row in rows:  # one line per remedy that ran, with its predicted peak
+        line = next(line for line in table if line.split()[0] == row["remedy"])
+        assert format_bytes(row["peak_bytes"]) in line and row["price"] in line
+    assert any(line.strip().startswith("no combination of these remedies fits") for line in table)
+
+    # advice: never a category below 5% of live memory; no word-only tip beside the table
+    total = sum(post["categories"].values())
+    advice = " ".join(_section(text, "what to change:"))
+    for category, phrase in ADVICE_PHRASES.items():
+        if post["categories"].get(category, 0) < 0.05 * total:
+            assert phrase not in advice, category
+    assert "Lower the micro-batch size or use a precision" not in advice
+    assert "The failed request alone (909.5 TiB)" in advice
+
+
+def test_cpu_oom_what_if_past_its_budget_is_one_line(tmp_path):
+    callback = MemTrace(what_if_budget_s=0.001, report=False)
+    with pytest.raises(RuntimeError, match="can't allocate memory") as info:
+        trainer(tmp_path, [callback], max_steps=3).fit(MLP(oom_at=1))
+    assert type(info.value) is RuntimeError
+    text = (callback.output_dir / "oom_rank0_step1.txt").read_text()
+    section = _section(text, "what would fit (estimated on fake tensors")
+    assert len(section) == 1 and section[0].startswith("  what-if: stopped after ")
+    assert "(budget 0.001 s); not estimated: " in section[0]
+    assert section[0].endswith("(raise MemTrace(what_if_budget_s=...))")
+    assert "what to change:" in text  # no table: the advice stays
+
+
+def test_what_if_budget_zero_leaves_the_post_mortem_as_it_was(tmp_path):
+    callback = MemTrace(what_if_budget_s=0, report=False)
+    with pytest.raises(RuntimeError, match="can't allocate memory"):
+        trainer(tmp_path, [callback], max_steps=3).fit(MLP(oom_at=1))
+    text = (callback.output_dir / "oom_rank0_step1.txt").read_text()
+    assert "what would fit" not in text and "what to change:" in text

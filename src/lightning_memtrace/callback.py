@@ -133,7 +133,14 @@ class MemTrace(Callback):
 
     **Post-mortem**: on an out-of-memory error, ``oom_rank<R>_step<N>.pickle`` and ``oom_rank<R>_step<N>.txt`` (step,
     phase, requested size, live memory by category, the ten largest live allocations and where they were made, what
-    to change) are written before the error propagates unchanged.
+    would fit, what to change) are written before the error propagates unchanged. "What would fit" is the what-if
+    table (:func:`lightning_memtrace.what_if`) for the module and the batch it died on, at the Trainer's precision and
+    accumulation, against the device's memory (CUDA: its total; CPU: the physical RAM): one row per remedy (predicted
+    peak, bytes saved, fits, largest micro-batch, price, measured or formula), then the cheapest combination that fits
+    and its snippet. It runs on fake tensors (no real memory; the module's parameters, gradients and optimizer state
+    are not touched) within ``what_if_budget_s``; remedies it would not reach in time are named in one line, as is a
+    failure. With the table, the advice under "what to change" is only what points at a category holding at least 5%
+    of live memory. The pickle's header has it all as data (``post_mortem["what_if"]``).
 
     Args:
         dirpath: Folder for the files. Default: ``<trainer.log_dir>/memtrace``.
@@ -159,7 +166,11 @@ class MemTrace(Callback):
         estimate: Before the first step, estimate the run on fake tensors from the real module and first batch (no
             real memory), print it and log ``memtrace/estimate/<category>`` and ``memtrace/estimate/peak`` (MiB); at
             the end write ``estimate_vs_measured_rank<R>.csv`` (per category: estimated and measured bytes, error in
-            percent), which the report shows. Automatic optimization only.
+            percent), which the report shows. Also at the end: the what-if for the module and the first batch (see
+            **Post-mortem**, within ``what_if_budget_s``), written as ``what_if_rank<R>.csv`` (one row per remedy:
+            ``remedy``, ``peak_bytes``, ``saved_bytes``, ``fits``, ``max_micro_batch``, ``kind``, ``price``,
+            ``<category>_bytes``; bytes) and ``what_if_rank<R>.json`` (also the combination, its snippet, the skipped
+            remedies), which the report shows as "What would fit". Automatic optimization only.
         allocation_backend: How the CPU tracker sees allocations. ``"auto"`` (default): the CPU allocator's own
             reports, read through a profiler session that records nothing else (no Python work per operator; the
             dispatch mode runs only in the history window, for stacks), or the dispatch mode where that session
@@ -172,6 +183,9 @@ class MemTrace(Callback):
             so the end-of-fit report and ``memtrace summary``/``report``/``diff`` of its snapshots apply them to the
             allocations MemTrace left uncategorised (those it recorded as parameters, gradients, optimizer state,
             inputs or activations keep their category); ``--rule`` adds to them.
+        what_if_budget_s: Seconds the what-if (post-mortem; end of fit with ``estimate``) may take, per run of it:
+            each remedy is estimated only where the longest estimate so far says it ends within the budget. 0: no
+            what-if (the post-mortem has the advice only).
     """
 
     def __init__(
@@ -194,6 +208,7 @@ class MemTrace(Callback):
         estimate: bool = False,
         allocation_backend: AllocationBackend = "auto",
         category_rules: Mapping[str, str] | None = None,
+        what_if_budget_s: float = 60.0,
     ) -> None:
         arguments = locals()
         #: The recorder's settings (the keywords above that are its fields), shared with
@@ -211,6 +226,10 @@ class MemTrace(Callback):
         self.estimate = estimate
         self.estimated: Any = None
         self.estimate_comparison: Any = None
+        #: ``what_if_rank<R>.csv`` of the last fit with ``estimate=True``, if written.
+        self.what_if_path: Path | None = None
+        # the first batch's shapes, kept from the estimate for the what-if at the end of fit
+        self._first_batch: Any = None
 
         self.recorder: MemoryRecorder | None = None
         #: The ``run`` column of this fit's rows (set at setup; restored from a checkpoint on resume).
@@ -286,6 +305,7 @@ class MemTrace(Callback):
         self.tracker_backend = None
         self.last_rank_maxima = {}
         self.estimated = self.estimate_comparison = None
+        self.what_if_path = self._first_batch = None
         self._rank = trainer.global_rank
         # One id for every rank of this fit (setup is reached by all of them); a resume restores the earlier one.
         self.run_id = str(trainer.strategy.broadcast(new_run_id()))
@@ -331,6 +351,8 @@ class MemTrace(Callback):
     def _begin_train_batch(self, trainer: pl.Trainer, batch: Any, batch_idx: int) -> None:
         if self.estimate and self.estimated is None and trainer.lightning_module.automatic_optimization:
             self.estimated, self._estimate_metrics = extras.estimate_run(trainer, batch)
+            if self.estimated:
+                self._first_batch = extras.batch_shapes(batch)
         if self.recorder is not None:
             self.recorder.begin_batch(batch, trainer.global_step, trainer.current_epoch, batch_idx, training=True)
 
@@ -451,6 +473,9 @@ class MemTrace(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._finish()
         self.estimate_comparison = extras.compare_with_run(self.estimated, self.output_dir, self._rank)
+        if self.estimated and self._first_batch is not None:
+            budget = self.config.what_if_budget_s
+            self.what_if_path = extras.write_what_if(trainer, self._first_batch, self.output_dir, self._rank, budget)
         if self.report and trainer.is_global_zero:
             self.report_path = extras.write_fit_report(trainer, self.output_dir) or self.report_path
 
@@ -460,7 +485,11 @@ class MemTrace(Callback):
         try:
             recorder = self.recorder
             if recorder is not None and is_out_of_memory(exception):
-                paths = recorder.write_post_mortem(exception, announce=False)
+                batch = recorder.batch if recorder.batch is not None else self._first_batch
+                budget = self.config.what_if_budget_s
+                paths = recorder.write_post_mortem(
+                    exception, announce=False, what_if=lambda pm: extras.what_if_after_oom(trainer, batch, budget)
+                )
                 self._finish_quietly()  # the CSV is closed and whole before the report reads it
                 report = None
                 if paths and self.report and trainer.is_global_zero:

@@ -20,6 +20,8 @@ SNAPSHOT_PATTERNS: tuple[str, ...] = (
 )
 #: The estimate-vs-measured tables a report shows (searched recursively under a log folder).
 ESTIMATE_COMPARISON_GLOB = "**/estimate_vs_measured_rank*.csv"
+#: The what-if tables of a fit with ``estimate=True`` a report shows (searched recursively under a log folder).
+WHAT_IF_GLOB = "**/what_if_rank*.csv"
 #: Prefix of post-mortem files (``oom_rank<R>_step<N>.pickle`` and ``.txt``).
 OOM_PREFIX = "oom_"
 
@@ -29,6 +31,11 @@ _RANK = re.compile(r"rank(\d+)")
 def phases_filename(rank: int) -> str:
     """``phases_rank<R>.csv``."""
     return f"phases_rank{rank}.csv"
+
+
+def what_if_filename(rank: int, suffix: str = ".csv") -> str:
+    """``what_if_rank<R>.csv`` (one row per remedy) and ``.json`` (all of it: combination, snippet, notes)."""
+    return f"what_if_rank{rank}{suffix}"
 
 
 def window_snapshot_filename(rank: int, first: int, last: int) -> str:

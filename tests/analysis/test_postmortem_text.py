@@ -67,3 +67,22 @@ def test_post_mortem_view() -> None:
         "<no stack: made outside the history window>",
     ]
     assert round(view.sites[0].percent) == 40 and view.moment == "forward, step 12"
+
+
+def test_post_mortem_with_what_if_table(expected) -> None:
+    """With a what-if table the general tip goes; advice that points at a category stays (the text is the table's)."""
+    pm = _post_mortem("cuda:0")
+    pm.requested_bytes, pm.reserved_bytes = 64 * 1024**2, pm.allocated_bytes  # no request or fragmentation advice
+    pm.categories = {"parameters": 290 * 1024**2, "activations": 10 * 1024**2}  # activations: 3%, no advice
+    pm.what_if = {
+        "made": True,
+        "text": "what if (today: peak 1.2 GiB, does not fit in 1.0 GiB ...):\n"
+        "remedy     kind      peak     saved  fits  max batch  price\n"
+        "bf16-true  measured  600 MiB  600 MiB  yes  8  bf16 weights and updates (precision loss)\n"
+        'to fit 1.0 GiB: bf16-true -> 600 MiB (measured)\nsnippet:\n  Trainer(precision="bf16-true")',
+    }
+    text = render_post_mortem(pm)
+    assert "what would fit (estimated on fake tensors" in text and "what to change:" not in text
+    expected(text, "postmortem_what_if.txt")
+    pm.categories["optimizer_state"] = 200 * 1024**2  # 40%: its advice comes back beside the table
+    assert "Optimizer state holds 200.0 MiB" in render_post_mortem(pm)

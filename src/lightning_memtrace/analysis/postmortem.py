@@ -40,6 +40,10 @@ class PostMortem:
     largest: list[LiveBlock]
     failing_frames: list[Frame] = dataclasses.field(default_factory=list)
     device_free_bytes: int | None = None
+    #: What would fit, on fake tensors for this module and the batch it died on (the keys of
+    #: :meth:`~lightning_memtrace.estimator.budget.BudgetedWhatIf.as_dict`: ``made``, ``text``, ``what_if`` rows,
+    #: ``combination``, ``note``...), None where MemTrace made none.
+    what_if: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -58,7 +62,8 @@ ADVICE_MIN_SHARE = 0.05
 
 def advice(pm: PostMortem) -> list[str]:
     """What to change, with the numbers that point there; only for what holds at least :data:`ADVICE_MIN_SHARE` of
-    live memory."""
+    live memory. Without such a number, one general tip, unless the post-mortem has a what-if table
+    (:attr:`PostMortem.what_if`), which says more."""
     tips: list[str] = []
     total = max(1, sum(pm.categories.values()))
     share = {name: value / total for name, value in pm.categories.items()}
@@ -107,9 +112,14 @@ def advice(pm: PostMortem) -> list[str]:
             f"{(pm.reserved_bytes / max(1, pm.allocated_bytes) - 1):.0%}: fragmentation; try "
             "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True."
         )
-    if not tips:
+    if not tips and not has_what_if_table(pm):
         tips.append("Lower the micro-batch size or use a precision with fewer bytes per value (bf16-mixed).")
     return tips
+
+
+def has_what_if_table(pm: PostMortem) -> bool:
+    """Whether the post-mortem holds a what-if table (at least one remedy estimated)."""
+    return bool(pm.what_if and pm.what_if.get("made"))
 
 
 _STAGE_OF = {Category.ACTIVATIONS: Stage.FORWARD.value, Category.OPTIMIZER_STATE: Stage.OPTIMIZER_STEP.value}
@@ -140,8 +150,13 @@ def render_post_mortem(pm: PostMortem) -> str:
         made = f" [{site.note}]" if site.note else ""
         category = f" {site.category}" if site.category else ""
         lines.append(f"  {index:>2}. {format_bytes(site.bytes):>12}  ({site.bytes:,} B){category}{made}  {site.where}")
-    lines += ["", "what to change:"]
-    lines += [f"  - {tip}" for tip in advice(pm)]
+    if pm.what_if:
+        lines += ["", "what would fit (estimated on fake tensors for this module and the batch it died on):"]
+        lines += [f"  {line}".rstrip() for line in str(pm.what_if.get("text", "")).splitlines()]
+    tips = advice(pm)
+    if tips:
+        lines += ["", "what to change:"]
+        lines += [f"  - {tip}" for tip in tips]
     return "\n".join(lines) + "\n"
 
 

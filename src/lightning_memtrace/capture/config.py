@@ -47,6 +47,9 @@ class RecorderConfig:
             (``category_rules``), and applied by whatever reads the snapshot (the end-of-fit report, ``memtrace
             summary``/``report``/``diff``) to the allocations whose category MemTrace did not record; see
             :mod:`~lightning_memtrace.analysis.rules`. Held as ``((name, regex), ...)`` in order.
+        what_if_budget_s: Seconds the post-mortem may spend on its "what would fit" table (each remedy estimated on
+            fake tensors for the model and the batch it died on; remedies that would pass the budget are left out,
+            said in one line). 0: no table.
     """
 
     track_allocations: bool | None = None
@@ -62,6 +65,7 @@ class RecorderConfig:
     allocation_backend: AllocationBackend = "auto"
     window_stacks: bool = True
     category_rules: Mapping[str, str] | tuple[tuple[str, str], ...] | None = ()
+    what_if_budget_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.allocation_backend not in ALLOCATION_BACKENDS:

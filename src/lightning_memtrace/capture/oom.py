@@ -124,10 +124,24 @@ class OomCapture:
             device_free_bytes=state.get("device_free"),
         ), state.get("snapshot")
 
-    def write(self, exception: BaseException) -> list[Path]:
-        """Write ``oom_rank<R>_step<N>.pickle`` and ``.txt``; returns the files written."""
+    def write(
+        self, exception: BaseException, what_if: Callable[[PostMortem], dict[str, Any] | None] | None = None
+    ) -> list[Path]:
+        """Write ``oom_rank<R>_step<N>.pickle`` and ``.txt``; returns the files written.
+
+        Args:
+            exception: The out-of-memory error.
+            what_if: Called with the post-mortem once the state is kept: what would fit (plain data, see
+                :attr:`PostMortem.what_if`), or None. A failure of it is one line in the text.
+        """
         pm, snapshot = self.post_mortem(exception)
         snapshot = snapshot or self.window.snapshot_now()
+        if what_if is not None:
+            try:
+                pm.what_if = what_if(pm)
+            except Exception as error:  # noqa: BLE001 - the post-mortem stands without its what-if
+                first = (str(error).splitlines() or [""])[0][:160]
+                pm.what_if = {"made": False, "text": f"what-if: could not be made ({type(error).__name__}: {first})"}
         snapshot[HEADER_KEY] = self.window.header(pm.step, pm.step, 0)
         snapshot[HEADER_KEY]["post_mortem"] = pm.as_dict()
         base = oom_basename(self.rank, pm.step)

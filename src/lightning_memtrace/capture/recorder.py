@@ -111,7 +111,7 @@ class MemoryRecorder:
             every rank of a run, and the earlier id to a resumed run.
         **settings: Fields of :class:`RecorderConfig`: ``track_allocations``, ``history``, ``history_skip_steps``,
             ``history_steps``, ``max_entries``, ``frames_min_bytes``, ``post_mortem``, ``max_rows``, ``every_n_steps``,
-            ``max_snapshots``, ``allocation_backend``, ``window_stacks``, ``category_rules``.
+            ``max_snapshots``, ``allocation_backend``, ``window_stacks``, ``category_rules``, ``what_if_budget_s``.
     """
 
     def __init__(
@@ -142,6 +142,9 @@ class MemoryRecorder:
         self.saved = parts.saved or SavedTensorsRecorder(self.device)
 
         self.step = self.epoch = self.batch_idx = 0
+        #: The training batch between :meth:`begin_batch` and :meth:`end_batch` (a reference, for the post-mortem's
+        #: what-if), else None.
+        self.batch: Any = None
         self.stage = Stage.OUTSIDE
         self.training = False
         self.started = False
@@ -211,6 +214,7 @@ class MemoryRecorder:
         if not self.started:
             return
         self.started = False
+        self.batch = None
         try:
             if self.window.is_open:
                 self.window.close(self.step)
@@ -266,6 +270,8 @@ class MemoryRecorder:
         self._forward_marked = not training
         self._stepped_this_batch = False
         self._take_rows = self.step % self.config.every_n_steps == 0
+        if training:
+            self.batch = batch
         self.saved.pop()
         self.saved.clear()
         self.rows.begin_batch(batch, training)
@@ -314,6 +320,8 @@ class MemoryRecorder:
         self.saved.pop()
         self._record(Phase.BATCH_END if self.training else Phase.VAL_BATCH_END)
         self._in_batch = False
+        if self.training:
+            self.batch = None  # kept no longer than the batch: the next batch's rows must not see it alive
         self.rows.end_batch()
         self.saved.clear()
         if self.rows.deferred and (
@@ -459,23 +467,58 @@ class MemoryRecorder:
     def on_cuda_oom(self, device: int, requested: int, device_allocated: int, device_free: int) -> None:
         self.oom.on_cuda_oom(device, requested, device_allocated, device_free)
 
-    def write_post_mortem(self, exception: BaseException, announce: bool = True) -> list[Path]:
+    def write_post_mortem(
+        self,
+        exception: BaseException,
+        announce: bool = True,
+        what_if: Callable[[PostMortem], dict[str, Any] | None] | None = None,
+    ) -> list[Path]:
         """Write ``oom_rank<R>_step<N>.pickle`` and ``.txt`` for an out-of-memory error. Never raises.
 
         Args:
             exception: The out-of-memory error (it propagates afterwards; this does not raise it).
             announce: Print one line naming the post-mortem on stderr (see :meth:`announce_post_mortem`).
+            what_if: Makes the post-mortem's "what would fit" (see :attr:`PostMortem.what_if`). Default: the model
+                and the batch of :meth:`begin_batch`, in fp32, the first optimizer's class and defaults (a
+                LightningModule: its own), within ``what_if_budget_s``.
         """
         if not self.config.post_mortem:
             return []
+        make = what_if if what_if is not None else self._what_if
+
+        def quietly(pm: PostMortem) -> dict[str, Any] | None:
+            self.saved.pop()  # the estimate's fake forward must not reach this run's saved-tensor hooks
+            return make(pm)
+
         try:
-            paths = self.oom.write(exception)
+            paths = self.oom.write(exception, quietly)
         except Exception as error:
             self._warn("postmortem", f"could not write the out-of-memory post-mortem: {error!r}")
             return []
         if announce:
             self.announce_post_mortem(paths)
         return paths
+
+    def _what_if(self, pm: PostMortem) -> dict[str, Any] | None:
+        """The plain loop's what-if for the post-mortem: the model and the batch it died on, fp32."""
+        budget = float(self.config.what_if_budget_s or 0)
+        if budget <= 0 or self.model is None or self.batch is None:
+            return None
+        from lightning_memtrace.estimator.budget import device_memory_bytes, optimizer_factory_like, what_if_within
+        from lightning_memtrace.estimator.run import _is_lightning_module
+
+        factory = None if _is_lightning_module(self.model) else optimizer_factory_like(self.categories.optimizers)
+        if factory is None and not _is_lightning_module(self.model):
+            return {"made": False, "text": "what-if: not made (the recorder was given no optimizer)"}
+        run = what_if_within(
+            self.model,
+            self.batch,
+            budget_s=budget,
+            device_memory=device_memory_bytes(self.device),
+            optimizer_factory=factory,
+            hint="raise MemoryRecorder(what_if_budget_s=...)",
+        )
+        return run.as_dict()
 
     def announce_post_mortem(self, paths: list[Path], report: Path | None = None) -> None:
         """One line on stderr naming the post-mortem (and the report), so that the traceback that follows is not all

@@ -11,11 +11,15 @@ are closed forms over the measured categories of each row:
 
 A prediction fits when ``peak + headroom <= device memory``, the headroom being :data:`HEADROOM_BYTES` (CUDA
 context, cuBLAS workspace) plus :data:`HEADROOM_FRACTION` of the device (allocator fragmentation).
+
+With a ``deadline`` (``time.monotonic()`` seconds), no estimate starts that the longest one so far says would end past
+it: the remedies not reached are listed in :attr:`WhatIf.not_estimated`, and the combination search stops.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -39,6 +43,10 @@ _GROUPS = (
     frozenset({Remedy.BF16_MIXED, Remedy.FP16_MIXED, Remedy.BF16_TRUE}),
     frozenset({Remedy.ADAMW_8BIT, Remedy.ADAFACTOR}),
 )
+
+
+class OutOfTime(Exception):
+    """The next estimate of a what-if would end past its deadline."""
 
 
 def usable_bytes(device_memory: int) -> int:
@@ -251,9 +259,12 @@ class WhatIf:
         estimate: Today's estimate.
         rows: One :class:`WhatIfRow` per remedy that applies, in order of price.
         skipped: Remedy identifier -> why it was not estimated (does not apply, a package is missing...).
-        combination: The cheapest combination that fits, None when none fits or no device memory was given.
+        combination: The cheapest combination that fits, None when none fits, no device memory was given or the
+            search ran out of time.
         device_memory: The device's memory in bytes, if given.
         devices: The N of ``fsdp``.
+        not_estimated: Remedies not estimated because the deadline came first, in order of price.
+        searched: False where the deadline stopped the combination search (or came before it).
     """
 
     estimate: Estimate
@@ -262,6 +273,8 @@ class WhatIf:
     combination: Combination | None
     device_memory: int | None
     devices: int = 1
+    not_estimated: tuple[str, ...] = ()
+    searched: bool = True
 
     @property
     def usable_bytes(self) -> int | None:
@@ -291,6 +304,7 @@ class WhatIf:
             "devices": self.devices,
             "what_if": [row.as_dict() for row in self.rows],
             "skipped": dict(self.skipped),
+            "not_estimated": list(self.not_estimated),
             "combination": self.combination.as_dict() if self.combination is not None else None,
         }
 
@@ -331,16 +345,30 @@ def formula_peak(est: Estimate, remedies: Iterable[Remedy], devices: int, gather
 class _Engine:
     """Runs the estimates of one what-if, each settings once (a cache), and decides what fits."""
 
-    def __init__(self, setup: Setup, device_memory: int | None, devices: int, max_batch: bool, max_batch_size: int):
+    def __init__(
+        self,
+        setup: Setup,
+        device_memory: int | None,
+        devices: int,
+        max_batch: bool,
+        max_batch_size: int,
+        deadline: float | None = None,
+    ):
         self.setup, self.device_memory, self.devices = setup, device_memory, max(1, int(devices))
         # the fsdp remedy shards the estimate over these devices (measured, see Settings.with_remedy)
         setup.settings = dataclasses.replace(setup.settings, fsdp_devices=self.devices)
         self.max_batch, self.max_batch_size = max_batch, max_batch_size
         self.cache: dict[Settings, Estimate] = {}
+        self.deadline = deadline
+        self.longest_s = 0.0  # the longest estimate so far: what the next one is expected to take
 
     def run(self, settings: Settings) -> Estimate:
         if settings not in self.cache:
+            now = time.monotonic()
+            if self.deadline is not None and now + self.longest_s > self.deadline:
+                raise OutOfTime
             self.cache[settings] = self.setup.run(settings)
+            self.longest_s = max(self.longest_s, time.monotonic() - now)
         return self.cache[settings]
 
     def fits(self, peak: int) -> bool | None:
@@ -404,10 +432,11 @@ def _applicable(remedy: Remedy, setup: Setup, devices: int, explicit: bool) -> s
 
 def _rows(
     engine: _Engine, today: Estimate, remedies: Sequence[Remedy], explicit: bool
-) -> tuple[list[WhatIfRow], dict[str, str]]:
+) -> tuple[list[WhatIfRow], dict[str, str], list[str]]:
+    """The rows of the remedies that apply, why the others were skipped, and those the deadline left out."""
     rows: list[WhatIfRow] = []
     skipped: dict[str, str] = {}
-    for remedy in remedies:
+    for index, remedy in enumerate(remedies):
         reason = _applicable(remedy, engine.setup, engine.devices, explicit)
         if reason is not None:
             skipped[remedy.value] = reason
@@ -416,7 +445,16 @@ def _rows(
             rows.append(engine.row(remedy, today))
         except _REMEDY_ERRORS as error:
             skipped[remedy.value] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
-    return rows, skipped
+        except OutOfTime:
+            late: list[str] = []
+            for rest in remedies[index:]:
+                why = _applicable(rest, engine.setup, engine.devices, explicit)
+                if why is None:
+                    late.append(rest.value)
+                else:
+                    skipped[rest.value] = why
+            return rows, skipped, late
+    return rows, skipped, []
 
 
 def _replacing(chosen: list[Remedy], remedy: Remedy) -> list[Remedy]:
@@ -464,6 +502,7 @@ def what_if_for_setup(
     remedies: Iterable[Remedy | str] | None = None,
     max_batch: bool = True,
     max_batch_size: int = 4096,
+    deadline: float | None = None,
 ) -> WhatIf:
     """Today's estimate of ``setup``, each remedy's, and the cheapest combination that fits ``device_memory``.
 
@@ -474,19 +513,30 @@ def what_if_for_setup(
         remedies: Identifiers to try (default: all, in order of price).
         max_batch: Search each remedy's largest fitting micro-batch (a few estimates each).
         max_batch_size: The upper end of that search.
+        deadline: ``time.monotonic()`` seconds: no estimate starts that the longest so far says would end past it
+            (the remedies left go to :attr:`WhatIf.not_estimated`). None: no limit.
+
+    Raises:
+        OutOfTime: The deadline came before today's estimate could start.
     """
     chosen = sorted({Remedy.parse(r) for r in (remedies or list(Remedy))}, key=list(Remedy).index)
-    engine = _Engine(setup, device_memory, devices, max_batch, max_batch_size)
+    engine = _Engine(setup, device_memory, devices, max_batch, max_batch_size, deadline)
     today = engine.run(setup.settings)
-    rows, skipped = _rows(engine, today, chosen, explicit=remedies is not None)
-    found = _search(engine, today, rows) if device_memory is not None else None
+    rows, skipped, late = _rows(engine, today, chosen, explicit=remedies is not None)
+    searched = not late
+    found = None
+    if device_memory is not None and searched:
+        try:
+            found = _search(engine, today, rows)
+        except OutOfTime:
+            searched = False
     combination = None
     if found is not None:
         picked, peak = found
         kind = "formula" if any(r in formula_remedies() for r in picked) else "measured"
         text = snippet(setup, picked, engine.devices)
         combination = Combination(tuple(r.value for r in picked), peak, True, kind, text)
-    return WhatIf(today, tuple(rows), skipped, combination, device_memory, engine.devices)
+    return WhatIf(today, tuple(rows), skipped, combination, device_memory, engine.devices, tuple(late), searched)
 
 
 def what_if_result(
@@ -504,6 +554,7 @@ def what_if_result(
     steps: int = 2,
     remedies: Iterable[Remedy | str] | None = None,
     max_batch: bool = True,
+    deadline: float | None = None,
 ) -> WhatIf:
     """What would fit, for a module and an example batch (as :func:`~lightning_memtrace.estimator.estimate` takes
     them): today's estimate, each remedy's, and the cheapest combination that fits ``device_memory``.
@@ -517,6 +568,7 @@ def what_if_result(
             Today's setup, as :func:`~lightning_memtrace.estimator.estimate` takes them.
         remedies: Identifiers to try (default: all).
         max_batch: Search each remedy's largest fitting micro-batch (needs ``device_memory``).
+        deadline: ``time.monotonic()`` seconds after which no estimate starts (see :func:`what_if_for_setup`).
     """
     from lightning_memtrace.estimator.inputs import Precision, batch_dims
 
@@ -528,17 +580,21 @@ def what_if_result(
     )
     setup = ModuleSetup(module, batch, settings, optimizer_factory, training_step, device, steps)
     memory = _bytes(device_memory)
-    return what_if_for_setup(setup, device_memory=memory, devices=devices, remedies=remedies, max_batch=max_batch)
+    return what_if_for_setup(
+        setup, device_memory=memory, devices=devices, remedies=remedies, max_batch=max_batch, deadline=deadline
+    )
 
 
 def what_if(module: nn.Module, batch: Any, **kwargs: Any) -> Any:
     """:func:`what_if_result` as a pandas DataFrame: one row per remedy (remedy, peak_bytes, saved_bytes, fits,
-    max_micro_batch, kind, price, ``<category>_bytes``); the combination is in ``df.attrs["combination"]`` and
-    today's peak in ``df.attrs["peak_bytes"]``."""
+    max_micro_batch, kind, price, ``<category>_bytes``); the combination is in ``df.attrs["combination"]``,
+    today's peak in ``df.attrs["peak_bytes"]`` and the remedies a ``deadline`` left out in
+    ``df.attrs["not_estimated"]``."""
     result = what_if_result(module, batch, **kwargs)
     frame = result.to_dataframe()
     frame.attrs["peak_bytes"] = result.estimate.peak_bytes
     frame.attrs["combination"] = result.combination.as_dict() if result.combination is not None else None
+    frame.attrs["not_estimated"] = list(result.not_estimated)
     return frame
 
 
@@ -671,15 +727,20 @@ def what_if_table(result: WhatIf) -> str:
     header = ["remedy", "kind", "peak", "saved", "fits", "max batch", "price"]
     lines.extend(_aligned([header, *[_cells(row) for row in result.rows]]))
     lines.extend(f"  skipped {name}: {why}" for name, why in result.skipped.items())
-    lines.extend(_combination_lines(result))
+    if result.not_estimated:
+        lines.append(f"  not estimated (out of time): {', '.join(result.not_estimated)}")
+    lines.extend(combination_lines(result))
     return "\n".join(lines)
 
 
-def _combination_lines(result: WhatIf) -> list[str]:
+def combination_lines(result: WhatIf) -> list[str]:
+    """The combination as text: the remedies, their peak and kind, then the snippet (or why there is none)."""
     if result.device_memory is None:
         return ["(no device memory given: no combination searched)"]
     budget = format_bytes(result.device_memory)
     combo = result.combination
+    if combo is None and not result.searched:
+        return [f"no combination searched for {budget}: out of time"]
     if combo is None:
         return [f"no combination of these remedies fits {budget}"]
     if not combo.remedies:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -14,7 +16,7 @@ from lightning_memtrace.analysis.findings import Finding, compute_findings, comp
 from lightning_memtrace.analysis.ranks import RankOverview, add_rank_finding, rank_overview
 from lightning_memtrace.analysis.source import LoadedSnapshot, ReportSource, run_name
 from lightning_memtrace.analysis.view import MemoryView, snapshot_view
-from lightning_memtrace.files import ESTIMATE_COMPARISON_GLOB
+from lightning_memtrace.files import ESTIMATE_COMPARISON_GLOB, WHAT_IF_GLOB, rank_of, what_if_filename
 from lightning_memtrace.report.figure import DEFAULT_MAX_POINTS, build_figure, phases_figure, timeline_data
 from lightning_memtrace.report.html import (
     breakdown_table,
@@ -263,8 +265,54 @@ def _rank_sections(page: _Page, source: ReportSource, max_points: int) -> None:
     page.summary.update(_rank_summary(overview))
 
 
+#: The columns of a what-if CSV the report shows (the CSV has one ``<category>_bytes`` column per category too).
+WHAT_IF_COLUMNS = ("remedy", "peak_bytes", "saved_bytes", "fits", "max_micro_batch", "kind", "price")
+
+
+def _what_if_section(path: Path) -> str | None:
+    """The "What would fit" section: the rows of ``what_if_rank<R>.csv``, then the combination line, its snippet and
+    any note from the ``.json`` beside it; None where the CSV cannot be read."""
+    try:
+        frame = pd.read_csv(path)
+    except Exception:  # noqa: BLE001 - a table that cannot be read is left out, the report stands without it
+        return None
+    frame = frame[[c for c in WHAT_IF_COLUMNS if c in frame.columns]]
+    numeric = {c for c in frame.columns if c.endswith("_bytes")} | {"max_micro_batch"}
+    html = f"<h2>What would fit ({esc(path.name)})</h2>" + table(readable_numbers(frame), numeric)
+    try:
+        extra = json.loads(path.with_suffix(".json").read_text())
+    except Exception:  # noqa: BLE001 - the CSV alone still says most of it
+        extra = {}
+    notes = [str(extra.get(key) or "") for key in ("combination_text", "note")]
+    if any(notes):
+        html += f"<pre>{esc(chr(10).join(n for n in notes if n))}</pre>"
+    return html
+
+
+def _estimate_sections(folder: Path) -> list[str]:
+    """Each rank's estimate-vs-measured table, each followed by its what-if (then what-ifs without a comparison)."""
+    sections = []
+    shown: set[Path] = set()
+    for estimate_csv in sorted(folder.glob(ESTIMATE_COMPARISON_GLOB)):
+        try:
+            comparison = pd.read_csv(estimate_csv)
+        except Exception:  # a comparison that cannot be read is left out, the report stands without it
+            continue
+        numeric = {c for c in comparison.columns if c.endswith(("_bytes", "_percent"))}
+        comparison = readable_numbers(comparison)
+        sections.append(f"<h2>Estimate vs measured ({esc(estimate_csv.name)})</h2>" + table(comparison, numeric))
+        rank = rank_of(estimate_csv.name)
+        what_if_csv = estimate_csv.with_name(what_if_filename(rank)) if rank is not None else None
+        if what_if_csv is not None and what_if_csv.is_file():
+            shown.add(what_if_csv)
+            sections.append(_what_if_section(what_if_csv) or "")
+    for what_if_csv in sorted(set(folder.glob(WHAT_IF_GLOB)) - shown):
+        sections.append(_what_if_section(what_if_csv) or "")
+    return [section for section in sections if section]
+
+
 def _other_sections(source: ReportSource) -> list[str]:
-    """Per-phase peaks, every snapshot, estimate-vs-measured tables and post-mortem texts."""
+    """Per-phase peaks, every snapshot, estimate-vs-measured and what-if tables, and post-mortem texts."""
     sections = []
     if source.phases is not None:
         sections.append("<h2>Per-phase peaks (MemTrace phases CSV)</h2>" + phases_html(source.phases))
@@ -280,14 +328,8 @@ def _other_sections(source: ReportSource) -> list[str]:
             for s in source.snapshots
         ]
         sections.append("<h2>All snapshots</h2>" + table(pd.DataFrame(rows), {"events", "peak"}))
-    for estimate_csv in sorted(source.path.glob(ESTIMATE_COMPARISON_GLOB)) if source.path.is_dir() else []:
-        try:
-            comparison = pd.read_csv(estimate_csv)
-        except Exception:  # a comparison that cannot be read is left out, the report stands without it
-            continue
-        numeric = {c for c in comparison.columns if c.endswith(("_bytes", "_percent"))}
-        comparison = readable_numbers(comparison)
-        sections.append(f"<h2>Estimate vs measured ({esc(estimate_csv.name)})</h2>" + table(comparison, numeric))
+    if source.path.is_dir():
+        sections.extend(_estimate_sections(source.path))
     for s in source.snapshots:
         if s.oom_text:
             sections.append(f"<h2>Out of memory: {esc(s.path.name)}</h2><pre>{esc(s.oom_text)}</pre>")

@@ -1,16 +1,21 @@
-"""What MemTrace adds around a fit: the estimate before the first step, the estimate-vs-measured CSV and the report
-at the end."""
+"""What MemTrace adds around a fit: the estimate before the first step, the estimate-vs-measured CSV, the what-if
+(at the end, and in an out-of-memory post-mortem) and the report at the end."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_memtrace.files import PHASES_GLOB, phases_filename
+from lightning_memtrace.atomic import atomic_write_text
+from lightning_memtrace.files import PHASES_GLOB, phases_filename, what_if_filename
 from lightning_memtrace.units import MIB
+
+#: How to give the what-if more time, said where the budget stopped it.
+WHAT_IF_HINT = "raise MemTrace(what_if_budget_s=...)"
 
 
 def estimate_run(trainer: pl.Trainer, batch: Any) -> tuple[Any, dict[str, float] | None]:
@@ -52,6 +57,68 @@ def compare_with_run(estimate: Any, folder: Path | None, rank: int) -> Any:
         rank_zero_warn(f"MemTrace could not compare the estimate with the run: {error}")
         return None
     return comparison
+
+
+def batch_shapes(batch: Any) -> Any:
+    """The batch as shapes and dtypes (what the estimate reads of it), so that it can be kept for the end of fit
+    without keeping its tensors alive."""
+    from lightning_memtrace.estimator.budget import batch_shapes as shapes
+
+    return shapes(batch)
+
+
+def what_if_for_fit(trainer: pl.Trainer, batch: Any, budget_s: float) -> Any:
+    """What would fit for the Trainer's module and ``batch`` (fake tensors: the module's real parameters, gradients
+    and optimizer state are not touched), at the Trainer's precision and accumulation, against the device's memory
+    (CUDA: the device's total; CPU: the physical RAM), within ``budget_s`` seconds: a
+    :class:`~lightning_memtrace.estimator.budget.BudgetedWhatIf`. None where ``budget_s`` is 0 or there is no
+    batch. Never raises."""
+    if budget_s <= 0 or batch is None:
+        return None
+    from lightning_memtrace.estimator.budget import device_memory_bytes, what_if_within
+
+    module = trainer.lightning_module
+    return what_if_within(
+        module,
+        batch,
+        budget_s=budget_s,
+        device_memory=device_memory_bytes(module.device),
+        precision=str(trainer.precision),
+        accumulate_grad_batches=trainer.accumulate_grad_batches,
+        hint=WHAT_IF_HINT,
+    )
+
+
+def what_if_after_oom(trainer: pl.Trainer, batch: Any, budget_s: float) -> dict[str, Any] | None:
+    """The post-mortem's what-if for the batch the run died on, as plain data (see
+    :attr:`~lightning_memtrace.analysis.postmortem.PostMortem.what_if`), or None."""
+    made = what_if_for_fit(trainer, batch, budget_s)
+    return made.as_dict() if made is not None else None
+
+
+def write_what_if(trainer: pl.Trainer, batch: Any, folder: Path | None, rank: int, budget_s: float) -> Path | None:
+    """At the end of a fit with ``estimate=True``: ``what_if_rank<R>.csv`` (the columns of
+    :meth:`~lightning_memtrace.estimator.what_if.WhatIf.to_dataframe`: ``remedy``, ``peak_bytes``, ``saved_bytes``,
+    ``fits``, ``max_micro_batch``, ``kind``, ``price``, ``<category>_bytes``; bytes as ints) and
+    ``what_if_rank<R>.json`` (everything, see :meth:`~lightning_memtrace.estimator.budget.BudgetedWhatIf.as_dict`)
+    next to the estimate-vs-measured CSV, for the first batch; returns the CSV (None where none was written). A stop
+    or failure is one warning."""
+    if folder is None:
+        return None
+    made = what_if_for_fit(trainer, batch, budget_s)
+    if made is None:
+        return None
+    if made.note:
+        rank_zero_warn(f"MemTrace {made.note}")
+    if made.result is None:
+        return None
+    try:
+        csv = atomic_write_text(folder / what_if_filename(rank), made.to_dataframe().to_csv(index=False))
+        atomic_write_text(folder / what_if_filename(rank, ".json"), json.dumps(made.as_dict(), indent=2) + "\n")
+    except Exception as error:  # noqa: BLE001 - a file that cannot be written is one warning
+        rank_zero_warn(f"MemTrace could not write the what-if in {folder}: {error}")
+        return None
+    return csv
 
 
 def write_fit_report(trainer: pl.Trainer, folder: Path | None, log_image: bool = True) -> Path | None:
