@@ -239,9 +239,14 @@ def unpickle_restricted(raw: bytes, where: str = "<bytes>") -> Any:
     """
     if not raw:
         raise SnapshotError(f"{where}: empty file")
+    return _unpickle_stream(io.BytesIO(raw), where, raw[:1] == b"\x80")
+
+
+def _unpickle_stream(stream: Any, where: str, pickle_magic: bool) -> Any:
+    """:func:`unpickle_restricted` of a binary stream (bytes in memory, or an open file read as it goes)."""
     try:
         with gc_paused():
-            return RestrictedUnpickler(io.BytesIO(raw)).load()
+            return RestrictedUnpickler(stream).load()
     except SnapshotError as error:
         raise SnapshotError(f"{where}: {error}") from None
     except EOFError:
@@ -251,7 +256,7 @@ def unpickle_restricted(raw: bytes, where: str = "<bytes>") -> Any:
     except RecursionError:
         raise SnapshotError(f"{where}: pickle nested too deeply") from None
     except Exception as error:  # pickle raises many types for corrupt input
-        if raw[:1] != b"\x80":
+        if not pickle_magic:
             raise SnapshotError(f"{where}: not a pickle (nor gzip, nor memory_viz HTML)") from None
         raise SnapshotError(
             f"{where}: corrupt or truncated pickle ({type(error).__name__}: {_one_line(str(error))})"
@@ -336,6 +341,26 @@ def _checked_traces(traces: Any, where: str) -> list[list[dict[str, Any]]]:
     return clean
 
 
+_NOT_PLAIN = object()
+
+
+def _unpickle_plain_file(path: Path, max_bytes: int, where: str) -> Any:
+    """A plain (uncompressed) pickle file unpickled as it is read, without a copy of its bytes in memory first;
+    ``_NOT_PLAIN`` for anything else (gzip, HTML, empty, over the limit: the general path says what it is)."""
+    try:
+        with open(path, "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            if not 0 < size <= max_bytes or handle.peek(2)[:2] not in _PICKLE_HEADS:
+                return _NOT_PLAIN
+            return _unpickle_stream(handle, where, True)
+    except OSError as error:
+        raise SnapshotError(f"{where}: cannot read ({_one_line(error.strerror or str(error))})") from None
+
+
+#: The first two bytes of a pickle of protocol 2 to 5 (the protocols torch and MemTrace write).
+_PICKLE_HEADS = frozenset(bytes([0x80, protocol]) for protocol in range(2, 6))
+
+
 def load_snapshot(
     source: str | os.PathLike[str] | bytes,
     *,
@@ -370,6 +395,11 @@ def load_snapshot(
             raise SnapshotError(f"{where}: no such file")
         if path.is_dir():
             raise SnapshotError(f"{where}: is a directory, not a snapshot file")
+        if progress is None:
+            value = _unpickle_plain_file(path, max_bytes, where)
+            if value is not _NOT_PLAIN:
+                data, layout = normalize(value, where)
+                return Snapshot(data=data, path=path, container="pickle", layout=layout)
         try:
             raw = _read_capped(path, max_bytes, progress)
         except OSError as error:

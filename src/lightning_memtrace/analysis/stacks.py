@@ -11,7 +11,6 @@ import dataclasses
 import itertools
 import operator
 from collections.abc import Sequence
-from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -247,23 +246,18 @@ def _object_array(values: list[Any]) -> np.ndarray:
 
 
 def _fingerprints(stacks: list[list[Any]]) -> np.ndarray:
-    """A code per stack from its length and its first, middle and last frame objects: equal stacks get equal codes;
-    different ones mostly different codes (:func:`group_stacks` compares the stacks anyway)."""
+    """A code per stack from its length and its middle frame object: equal stacks get equal codes; different ones
+    often different codes (:func:`group_stacks` compares the stacks anyway). One look into each list: more frames in
+    the code cost more passes over every list than the rounds of comparisons they save (measured at 1M events)."""
     m = len(stacks)
     lengths = np.fromiter(map(len, stacks), dtype=np.int64, count=m)
     nonempty = np.nonzero(lengths > 0)[0]
     full = [stacks[i] for i in nonempty.tolist()] if len(nonempty) < m else stacks
-    size = lengths[nonempty]
-    ends = np.fromiter(
-        map(id, itertools.chain.from_iterable(map(itemgetter(0, -1), full))), dtype=np.uint64, count=2 * len(full)
+    middle = np.zeros(m, dtype=np.uint64)
+    middle[nonempty] = np.fromiter(
+        map(id, map(operator.getitem, full, (lengths[nonempty] // 2).tolist())), dtype=np.uint64, count=len(full)
     )
-    middle = np.fromiter(map(id, map(operator.getitem, full, (size // 2).tolist())), dtype=np.uint64, count=len(full))
-    h = lengths.astype(np.uint64)
-    for ids in (ends[0::2], middle, ends[1::2]):
-        column = np.zeros(m, dtype=np.uint64)
-        column[nonempty] = ids
-        h = (h * _FP_MUL) ^ column
-    return pd.factorize(h)[0].astype(np.int64)
+    return pd.factorize((lengths.astype(np.uint64) * _FP_MUL) ^ middle)[0].astype(np.int64)
 
 
 def _safe_equal(a: Any, b: Any) -> bool:
