@@ -194,6 +194,35 @@ def test_dataframe_max_micro_batch_and_snippet():
     assert over.peak_bytes.iloc[0] > usable_bytes(memory)
 
 
+def test_workers_give_the_same_answer():
+    """``jobs=2``: the remedies' estimates run in forked workers (other processes), and the answer is the one of
+    ``jobs=1`` to the byte: rows, categories, skip reasons (a remedy that fails in a worker included), combination."""
+    import os
+
+    from lightning_memtrace.estimator.forked import can_fork, map_forked
+
+    if not can_fork():
+        pytest.skip("forked workers need Linux without CUDA initialised")
+    pids = map_forked(lambda item: (item, os.getpid()), [1, 2, 3], 2)
+    assert [item for item, _ in pids] == [1, 2, 3] and os.getpid() not in {pid for _, pid in pids}
+
+    module = MLP(batch_size=MLP_BATCH)
+    batch = next(iter(module.train_dataloader()))
+    plain = what_if_result(module, batch, device="cpu", remedies=["bf16-true"], max_batch=False)
+    kwargs = dict(
+        device="cpu",
+        remedies=["bf16-true", "half_micro_batch", "adafactor", "lora"],
+        device_memory=_device_memory_for(plain.estimate.peak_bytes - 20_000),
+        max_batch=False,
+    )
+    one = what_if_result(module, batch, jobs=1, **kwargs)
+    two = what_if_result(module, batch, jobs=2, **kwargs)
+    timeless = [{**r.as_dict(), "estimate": {**r.as_dict()["estimate"], "seconds": 0}} for r in (one, two)]
+    assert timeless[1] == timeless[0]
+    assert [row.remedy for row in one.rows] == ["half_micro_batch", "adafactor", "bf16-true"]
+    assert one.skipped["lora"].startswith("ValueError: ") and one.combination is not None
+
+
 def test_settings_and_snippet_text():
     settings = Settings(batch_size=8).with_remedies(["bf16-mixed", "half_micro_batch", "gradient_checkpointing"])
     assert (settings.precision, settings.batch_size, settings.accumulate_grad_batches) == ("bf16-mixed", 4, 2)

@@ -123,6 +123,13 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="comma-separated remedies for --what-if (default all): " + ", ".join(REMEDIES),
     )
+    parser.add_argument(
+        "--jobs",
+        type=positive_int,
+        default=None,
+        help="worker processes for --what-if's estimates, side by side (default: the CPUs here, at most 4; the answer "
+        "is the same for any value)",
+    )
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
 
 
@@ -166,8 +173,8 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError("--batch-size is required (or use --find-max-batch with --device-memory)")
     if args.find_max_batch and args.device_memory is None:
         raise ValueError("--find-max-batch needs --device-memory")
-    if (args.devices > 1 or args.remedies) and not args.what_if:
-        raise ValueError("--devices and --remedies go with --what-if")
+    if (args.devices > 1 or args.remedies or args.jobs) and not args.what_if:
+        raise ValueError("--devices, --remedies and --jobs go with --what-if")
 
 
 def _compute(args: argparse.Namespace) -> tuple[Any, Any]:
@@ -285,6 +292,7 @@ def _run_what_if(args: argparse.Namespace) -> int:
     """``--what-if``: today's estimate, each remedy's, the cheapest combination; exit 1 when today's does not fit."""
     import warnings
 
+    from lightning_memtrace.estimator.forked import default_jobs
     from lightning_memtrace.estimator.what_if import what_if_from_config
 
     if args.fsdp > 1:
@@ -301,6 +309,7 @@ def _run_what_if(args: argparse.Namespace) -> int:
             remedies=args.remedies,
             max_batch=args.find_max_batch,
             max_batch_size=args.max_batch_size,
+            jobs=args.jobs or default_jobs(),
             **{name: getattr(args, name) for name in _ESTIMATE_OPTIONS if name != "fsdp"},
         )
     shown = result.estimate

@@ -359,10 +359,13 @@ class _Engine:
         setup.settings = dataclasses.replace(setup.settings, fsdp_devices=self.devices)
         self.max_batch, self.max_batch_size = max_batch, max_batch_size
         self.cache: dict[Settings, Estimate] = {}
+        self.failed: dict[Settings, str] = {}  # estimates that failed in a worker (see _prefetch)
         self.deadline = deadline
         self.longest_s = 0.0  # the longest estimate so far: what the next one is expected to take
 
     def run(self, settings: Settings) -> Estimate:
+        if settings in self.failed:
+            raise EstimateFailed(self.failed[settings])
         if settings not in self.cache:
             now = time.monotonic()
             if self.deadline is not None and now + self.longest_s > self.deadline:
@@ -430,6 +433,47 @@ def _applicable(remedy: Remedy, setup: Setup, devices: int, explicit: bool) -> s
     return rm.not_applicable(remedy, setup.settings)
 
 
+class EstimateFailed(RuntimeError):
+    """An estimate that failed in a worker process, raised again where its result is asked for (its first line, as
+    the worker saw it)."""
+
+    def __init__(self, line: str):
+        super().__init__(line)
+        self.line = line
+
+
+def _error_line(error: BaseException) -> str:
+    if isinstance(error, EstimateFailed):
+        return error.line
+    return f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
+
+
+#: Time of a remedy's estimate relative to today's (1.5B, 16 x 256, measured): the order the workers take them in.
+_RELATIVE_COST = {Remedy.HALF_MICRO_BATCH: 1.7, Remedy.GRADIENT_CHECKPOINTING: 1.2, Remedy.BF16_MIXED: 1.05}
+
+
+def _prefetch(engine: _Engine, settings: Sequence[Settings], jobs: int) -> None:
+    """Run the estimates of ``settings`` side by side in ``jobs`` forked workers (:mod:`.forked`) into the engine's
+    cache (those that fail are raised again by :meth:`_Engine.run`); nothing when ``jobs`` is 1."""
+    from lightning_memtrace.estimator.forked import can_fork, map_forked
+
+    todo = [s for s in dict.fromkeys(settings) if s not in engine.cache]
+    if jobs <= 1 or len(todo) < 2 or not can_fork():
+        return
+
+    def task(one: Settings) -> tuple[Estimate | None, str | None]:
+        try:
+            return engine.setup.run(one), None
+        except _REMEDY_ERRORS as error:
+            return None, _error_line(error)
+
+    for one, (result, error) in zip(todo, map_forked(task, todo, jobs)):
+        if result is not None:
+            engine.cache[one] = result
+        else:
+            engine.failed[one] = str(error)
+
+
 def _rows(
     engine: _Engine, today: Estimate, remedies: Sequence[Remedy], explicit: bool
 ) -> tuple[list[WhatIfRow], dict[str, str], list[str]]:
@@ -444,7 +488,7 @@ def _rows(
         try:
             rows.append(engine.row(remedy, today))
         except _REMEDY_ERRORS as error:
-            skipped[remedy.value] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+            skipped[remedy.value] = _error_line(error)
         except OutOfTime:
             late: list[str] = []
             for rest in remedies[index:]:
@@ -503,6 +547,7 @@ def what_if_for_setup(
     max_batch: bool = True,
     max_batch_size: int = 4096,
     deadline: float | None = None,
+    jobs: int = 1,
 ) -> WhatIf:
     """Today's estimate of ``setup``, each remedy's, and the cheapest combination that fits ``device_memory``.
 
@@ -515,12 +560,30 @@ def what_if_for_setup(
         max_batch_size: The upper end of that search.
         deadline: ``time.monotonic()`` seconds: no estimate starts that the longest so far says would end past it
             (the remedies left go to :attr:`WhatIf.not_estimated`). None: no limit.
+        jobs: Worker processes for the remedies' estimates, side by side (forked, Linux only, never with a
+            ``deadline``: see :mod:`~lightning_memtrace.estimator.forked`); the answer is the same for any value.
 
     Raises:
         OutOfTime: The deadline came before today's estimate could start.
     """
     chosen = sorted({Remedy.parse(r) for r in (remedies or list(Remedy))}, key=list(Remedy).index)
     engine = _Engine(setup, device_memory, devices, max_batch, max_batch_size, deadline)
+    if deadline is None:
+        explicit = remedies is not None
+        measured = [
+            r for r in chosen if r not in formula_remedies() and _applicable(r, setup, engine.devices, explicit) is None
+        ]
+        # the longest first, so that the workers finish together (today's among them: waiting for it first costs
+        # more than the warm dispatch cache it would leave the workers)
+        measured.sort(key=lambda r: -_RELATIVE_COST.get(r, 1.0))
+        _prefetch(
+            engine,
+            [setup.settings.with_remedy(r) for r in measured[:2]]
+            + [setup.settings]
+            + [setup.settings.with_remedy(r) for r in measured[2:]],
+            jobs,
+        )
+        engine.failed.pop(setup.settings, None)  # today's own error is raised here, as it is without workers
     today = engine.run(setup.settings)
     rows, skipped, late = _rows(engine, today, chosen, explicit=remedies is not None)
     searched = not late
@@ -555,6 +618,7 @@ def what_if_result(
     remedies: Iterable[Remedy | str] | None = None,
     max_batch: bool = True,
     deadline: float | None = None,
+    jobs: int = 1,
 ) -> WhatIf:
     """What would fit, for a module and an example batch (as :func:`~lightning_memtrace.estimator.estimate` takes
     them): today's estimate, each remedy's, and the cheapest combination that fits ``device_memory``.
@@ -569,6 +633,7 @@ def what_if_result(
         remedies: Identifiers to try (default: all).
         max_batch: Search each remedy's largest fitting micro-batch (needs ``device_memory``).
         deadline: ``time.monotonic()`` seconds after which no estimate starts (see :func:`what_if_for_setup`).
+        jobs: Worker processes for the estimates (see :func:`what_if_for_setup`).
     """
     from lightning_memtrace.estimator.inputs import Precision, batch_dims
 
@@ -581,7 +646,13 @@ def what_if_result(
     setup = ModuleSetup(module, batch, settings, optimizer_factory, training_step, device, steps)
     memory = _bytes(device_memory)
     return what_if_for_setup(
-        setup, device_memory=memory, devices=devices, remedies=remedies, max_batch=max_batch, deadline=deadline
+        setup,
+        device_memory=memory,
+        devices=devices,
+        remedies=remedies,
+        max_batch=max_batch,
+        deadline=deadline,
+        jobs=jobs,
     )
 
 
@@ -615,9 +686,11 @@ def what_if_from_config(
     remedies: Iterable[Remedy | str] | None = None,
     max_batch: bool = True,
     max_batch_size: int = 4096,
+    jobs: int = 1,
 ) -> WhatIf:
     """What would fit, for a Hugging Face causal LM from its config (as
-    :func:`~lightning_memtrace.estimator.estimate_from_config` takes it); see :func:`what_if_result`."""
+    :func:`~lightning_memtrace.estimator.estimate_from_config` takes it); see :func:`what_if_result` (and
+    :func:`what_if_for_setup` for ``jobs``)."""
     from lightning_memtrace.estimator.inputs import Precision
 
     settings = Settings(
@@ -634,6 +707,7 @@ def what_if_from_config(
         remedies=remedies,
         max_batch=max_batch,
         max_batch_size=max_batch_size,
+        jobs=jobs,
     )
 
 
