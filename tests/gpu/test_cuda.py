@@ -92,6 +92,12 @@ def test_real_cuda_oom_post_mortem(tmp_path):
         snapshot = pickle.load(handle)
     assert snapshot["segments"]
     assert snapshot["memtrace"]["post_mortem"]["requested_bytes"] >= int(total * 0.6)
+    # what would fit, estimated on fake CUDA tensors for the module and the batch it died on, against the card's
+    # total memory (fake tensors: the failed run's own memory is not touched)
+    what_if = snapshot["memtrace"]["post_mortem"]["what_if"]
+    assert what_if["made"] and what_if["device_memory"] == total and len(what_if["what_if"]) >= 5
+    assert "what would fit (estimated on fake tensors" in text
+    assert all(row["peak_bytes"] > 0 for row in what_if["what_if"])
 
 
 def test_max_allocated_bytes_is_the_runs_peak_although_rows_reset_the_statistics(tmp_path):
