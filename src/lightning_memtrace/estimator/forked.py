@@ -38,6 +38,12 @@ def can_fork() -> bool:
     return sys.platform.startswith("linux") and not torch.cuda.is_initialized()
 
 
+def _one_thread() -> None:
+    # as DataLoader workers do: a forked child must not use the parent's intra-op thread pool (and fake steps need
+    # none)
+    torch.set_num_threads(1)
+
+
 def _call(item: Any) -> Any:
     assert _TASK is not None
     return _TASK(item)
@@ -55,7 +61,7 @@ def map_forked(task: Callable[[T], R], items: Sequence[T], jobs: int) -> list[R]
 
     _TASK = task
     try:
-        with multiprocessing.get_context("fork").Pool(jobs) as pool:
+        with multiprocessing.get_context("fork").Pool(jobs, initializer=_one_thread) as pool:
             return pool.map(_call, items, chunksize=1)
     finally:
         _TASK = None
