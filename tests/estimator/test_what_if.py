@@ -237,3 +237,24 @@ def test_zz_report_measured():
     for model, remedy, predicted, real in MEASURED:
         lines.append(f"{model:12}{remedy:44}{predicted:>14,}{real:>14,}{100 * (predicted - real) / real:>9.3f}")
     print("\n" + "\n".join(lines))
+
+
+def test_forked_workers_that_die_leave_the_work_to_this_process():
+    """A worker killed mid-task (the system's out-of-memory killer) does not hang the what-if: the work is done in
+    this process instead, with the same results."""
+    import os
+    import signal
+
+    from lightning_memtrace.estimator.forked import can_fork, map_forked
+
+    if not can_fork():
+        pytest.skip("forked workers need Linux without CUDA initialised")
+    parent = os.getpid()
+
+    def task(item: int) -> tuple[int, bool]:
+        if item == 2 and os.getpid() != parent:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return item * item, os.getpid() == parent
+
+    results = map_forked(task, [1, 2, 3], 2)
+    assert [value for value, _ in results] == [1, 4, 9] and all(here for _, here in results)

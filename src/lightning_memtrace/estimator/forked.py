@@ -51,17 +51,24 @@ def _call(item: Any) -> Any:
 
 def map_forked(task: Callable[[T], R], items: Sequence[T], jobs: int) -> list[R]:
     """``[task(item) for item in items]``, in ``jobs`` forked workers where :func:`can_fork` (else in this
-    process). ``task`` must return picklable values and catch the errors it expects (an exception in a worker is
-    raised here again)."""
+    process, and again in this process if a worker dies). ``task`` must return picklable values and catch the errors
+    it expects (an exception in a worker is raised here again)."""
     global _TASK
     jobs = min(int(jobs), len(items))
     if jobs <= 1 or not can_fork():
         return [task(item) for item in items]
     import multiprocessing
 
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
     _TASK = task
     try:
-        with multiprocessing.get_context("fork").Pool(jobs, initializer=_one_thread) as pool:
-            return pool.map(_call, items, chunksize=1)
+        # every worker is forked at the first submit, before the executor starts its own thread
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork"), initializer=_one_thread) as pool:
+            return list(pool.map(_call, items))
+    except BrokenProcessPool:
+        # a worker died (the system's out-of-memory killer, a signal): the same work in this process instead
+        return [task(item) for item in items]
     finally:
         _TASK = None
