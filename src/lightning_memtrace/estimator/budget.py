@@ -18,7 +18,13 @@ from torch import nn
 
 from lightning_memtrace.estimator.inputs import InputSpec, map_batch
 from lightning_memtrace.estimator.remedies import Remedy
-from lightning_memtrace.estimator.what_if import OutOfTime, WhatIf, combination_lines, what_if_result
+from lightning_memtrace.estimator.what_if import (
+    OutOfTime,
+    WhatIf,
+    combination_lines,
+    failure_line,
+    what_if_result,
+)
 
 #: The default time budget of a what-if MemTrace runs by itself, in seconds.
 DEFAULT_BUDGET_S = 60.0
@@ -180,9 +186,8 @@ def what_if_within(
     except OutOfTime:
         pass
     except Exception as error:  # noqa: BLE001 - never raises: a failure is the note
-        first = (str(error).splitlines() or [""])[0][:160]
         seconds = time.monotonic() - started
-        return BudgetedWhatIf(None, budget_s, seconds, f"what-if: could not be made ({type(error).__name__}: {first})")
+        return BudgetedWhatIf(None, budget_s, seconds, f"what-if: could not be made ({failure_line(error)})")
     seconds = time.monotonic() - started
     if result is not None and Remedy.FSDP.value in result.skipped:
         skipped = {**result.skipped, Remedy.FSDP.value: FSDP_DISTRIBUTED if distributed else FSDP_IN_RUN}

@@ -442,7 +442,8 @@ class EstimateFailed(RuntimeError):
         self.line = line
 
 
-def _error_line(error: BaseException) -> str:
+def failure_line(error: BaseException) -> str:
+    """``Type: first line of the message`` (160 characters at most): how a failed estimate is said in one line."""
     if isinstance(error, EstimateFailed):
         return error.line
     return f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
@@ -465,7 +466,7 @@ def _prefetch(engine: _Engine, settings: Sequence[Settings], jobs: int) -> None:
         try:
             return engine.setup.run(one), None
         except _REMEDY_ERRORS as error:
-            return None, _error_line(error)
+            return None, failure_line(error)
 
     for one, (result, error) in zip(todo, map_forked(task, todo, jobs)):
         if result is not None:
@@ -488,7 +489,7 @@ def _rows(
         try:
             rows.append(engine.row(remedy, today))
         except _REMEDY_ERRORS as error:
-            skipped[remedy.value] = _error_line(error)
+            skipped[remedy.value] = failure_line(error)
         except OutOfTime:
             late: list[str] = []
             for rest in remedies[index:]:
