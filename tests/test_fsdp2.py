@@ -84,7 +84,8 @@ def test_fsdp2_estimate_is_measured_and_matches_the_real_two_rank_run(tmp_path):
     )
     assert estimated.world_size == 2 and estimated.sharding.startswith("FSDP2 over 2 ranks (4 blocks")
     peaks = real.groupby("rank").peak_bytes.max()
-    lowest, highest = int(peaks.min()), int(peaks.max())
+    # the lowest of every rank's every step: the step least likely to count a late free (see below)
+    lowest, highest = int(real.groupby(["rank", "step"]).peak_bytes.max().min()), int(peaks.max())
     assert 0.97 * lowest <= estimated.peak_bytes <= highest, (estimated.peak_bytes, peaks.to_dict())
     # No bound on how far the highest rank goes above: blocks freed on gloo's threads reach MemTrace only when their
     # address is handed out again, so a rank counts some gathered layers too long, by chance (0 to 3 layers of
