@@ -83,13 +83,17 @@ def test_fsdp2_estimate_is_measured_and_matches_the_real_two_rank_run(tmp_path):
         optimizer_factory=lambda model: torch.optim.AdamW(model.parameters(), lr=1e-4),
     )
     assert estimated.world_size == 2 and estimated.sharding.startswith("FSDP2 over 2 ranks (4 blocks")
-    peaks = real.groupby("rank").peak_bytes.max()
-    # the lowest of every rank's every step: the step least likely to count a late free (see below)
-    lowest, highest = int(real.groupby(["rank", "step"]).peak_bytes.max().min()), int(peaks.max())
-    assert 0.97 * lowest <= estimated.peak_bytes <= highest, (estimated.peak_bytes, peaks.to_dict())
-    # No bound on how far the highest rank goes above: blocks freed on gloo's threads reach MemTrace only when their
-    # address is handed out again, so a rank counts some gathered layers too long, by chance (0 to 3 layers of
-    # 2,904,064 B seen); the categories below are the deterministic part, checked byte for byte.
+    step_peaks = real.groupby(["rank", "step"]).peak_bytes.max()
+    # Every rank's every step peaks at the estimate, or above it by the gathered layers gloo's two worker threads
+    # still hold: their finished work lets go of its output a moment after the training thread goes on, so a step
+    # holds one more gathered layer (2,904,064 B) than the estimate's fake process group at random (in none, some or
+    # every step of a run). MemTrace counts a block another thread frees when the allocator's process-wide total
+    # shows it; before, only when its address was handed out again (3 layers above the estimate seen).
+    model = build_causal_lm(TINY_QWEN2_CONFIG)
+    layer_bytes = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
+    assert estimated.peak_bytes - 1024 <= int(step_peaks.min()), (estimated.peak_bytes, step_peaks.to_dict())
+    assert int(step_peaks.max()) - estimated.peak_bytes <= 2 * layer_bytes + 1024, (estimated.peak_bytes,
+                                                                                    step_peaks.to_dict())
     # what each rank holds is the same on every rank, and the estimate's rank holds it byte for byte
     rows = {r.phase.value: r for r in estimated.records if r.step == 1}
     for phase in ("after_forward", "after_backward", "batch_end"):

@@ -7,7 +7,9 @@ in C++, at no Python cost per operator; :class:`AllocatorReports` reads them at 
 session and opening the next one at once (under a paused garbage collector, so nothing is freed in between).
 
 The session belongs to the thread that opened it and is given up to any profiler the user starts: a
-``torch.profiler.profile`` opened later takes the thread over, which :meth:`AllocatorReports.drain` notices.
+``torch.profiler.profile`` opened later takes the thread over, which :meth:`AllocatorReports.drain` notices. Other
+threads' allocations reach no session of this thread; each report also carries the allocator's process-wide total,
+which shows when another thread frees a block this thread made (a collective's worker thread, under FSDP2 with gloo).
 
 :class:`ReportsBackend` applies the reports to the tracker's counting state, and keeps the *marks*: tiny blocks put
 into the report stream where a row was taken, so that the row reads the bytes of that point of the stream later.
@@ -34,6 +36,7 @@ _EXTRA_FIELDS = operator.attrgetter("extra_fields")
 _START_NS = operator.attrgetter("start_time_ns")
 _PTR = operator.attrgetter("ptr")
 _SIZE = operator.attrgetter("alloc_size")
+_TOTAL = operator.attrgetter("total_allocated")
 #: Size of the block that puts a mark into the CPU allocator's report stream (a row, a free seen by weak reference).
 #: Odd, so that no tensor's block is this size; the block is freed at once, and neither report is counted.
 MARK_BYTES = 4093
@@ -101,6 +104,11 @@ class AllocatorReports:
         self._session = torch_private.MemoryOnlySession()
         self._native = native
         self.active = False
+        # The CPU allocator's process-wide total after the last report read, while the reports run on unbroken.
+        self._last_total: int | None = None
+        #: ``(index, bytes)`` for each report of the last drain before which other threads changed the CPU
+        #: allocator's total (by ``bytes``: negative where they freed more than they allocated); see :meth:`_events`.
+        self.other_threads: list[tuple[int, int]] = []
 
     def start(self) -> None:
         if self.active:
@@ -114,6 +122,7 @@ class AllocatorReports:
         native.track_every_cpu_block()
         self._open()
         self.active = True
+        self._last_total = None  # reports were missed since the last one read (if any)
         native.spend_unknown_free_warning()
 
     def _open(self) -> None:
@@ -137,6 +146,7 @@ class AllocatorReports:
             return []
         if not self.owned():
             self.active = False
+            self._last_total = None
             raise SessionLost("another profiler took over the profiling session")
         collecting = gc.isenabled()
         if collecting:
@@ -170,9 +180,36 @@ class AllocatorReports:
                 if type(f) is allocation_type and (not check_device or f.device.type == "cpu")
             ]
             tree, fields = [event for event, _ in kept], [f for _, f in kept]
-        out = list(zip(map(_START_NS, tree), map(_PTR, fields), map(_SIZE, fields)))
-        if any(out[i][0] > out[i + 1][0] for i in range(len(out) - 1)):
-            out.sort(key=lambda e: e[0])
+        times, sizes = list(map(_START_NS, tree)), list(map(_SIZE, fields))
+        if any(times[i] > times[i + 1] for i in range(len(times) - 1)):
+            order = sorted(range(len(times)), key=times.__getitem__)
+            times, sizes, fields = [times[i] for i in order], [sizes[i] for i in order], [fields[i] for i in order]
+        self.other_threads = self._other_threads(fields, sizes)
+        return list(zip(times, map(_PTR, fields), sizes))
+
+    def _other_threads(self, fields: list[Any], sizes: list[int]) -> list[tuple[int, int]]:
+        """Where other threads changed the CPU allocator's total between this thread's reports, and by how much.
+
+        Each report carries the allocator's total after it, for the whole process (every block's size is noted, see
+        :func:`track_every_cpu_block`): between two reports of this thread it moves by the second one's size plus
+        whatever other threads allocated and freed meanwhile, such as a collective's worker thread dropping the last
+        reference to a block this thread made. Read report by report only where the drain's total does not add up:
+        other threads' changes that cancel out within one drain are not seen (a block of this thread's freed there is
+        then counted down when its address is handed out again, as without the totals).
+        """
+        if not fields:
+            return []
+        previous, last = self._last_total, _TOTAL(fields[-1])
+        self._last_total = last
+        if previous is None:
+            previous = _TOTAL(fields[0]) - sizes[0]
+        if previous + sum(sizes) == last:
+            return []
+        out = []
+        for index, (total, size) in enumerate(zip(map(_TOTAL, fields), sizes)):
+            if total != previous + size:
+                out.append((index, total - previous - size))
+            previous = total
         return out
 
     def stop(self) -> list[AllocatorEvent]:
@@ -203,6 +240,14 @@ class ReportsBackend:
         # Marks put into the report stream and not reached yet: (address of the mark's block or None, mark).
         self._marks: deque[tuple[int | None, RowMark | LiveAllocation]] = deque()
         self._thread = threading.get_ident()
+        # What other threads did to the CPU allocator's total, as far as it is explained, by block size: blocks they
+        # allocated (not counted here) and storages counted by weak reference that they freed (counted down by mark).
+        self._other_allocations: dict[int, int] = {}
+        self._explained_frees: dict[int, int] = {}
+        #: Blocks counted down where another thread freed them (address -> bytes), until the address shows again.
+        self._freed_elsewhere: dict[int, int] = {}
+        # Bytes (by block size) of blocks freed by other threads that were counted down as another block of that size.
+        self._owed: dict[int, int] = {}
 
     # ----------------------------------------------------------------------------------------------- lifecycle
     @property
@@ -233,7 +278,8 @@ class ReportsBackend:
         session, self.session = self.session, None
         self.state.defer_free = None
         if session is not None:
-            self.apply(session.stop())
+            events = session.stop()
+            self.apply(events, session.other_threads)
         self._reach_marks(len(self._marks))
 
     def sync(self) -> None:
@@ -250,12 +296,13 @@ class ReportsBackend:
         except Exception:  # the session broke in C++: counters stand as they are; the recorder warns (session_lost)
             self.session_lost = True
             return
+        other_threads = session.other_threads if events else []
         if not session.active and not torch_private.another_profiler_active():
             try:
                 session.start()
             except Exception:  # still not ours to open: try again at the next read
                 pass
-        self.apply(events)
+        self.apply(events, other_threads)
         self._reach_marks(len(self._marks))
 
     # ----------------------------------------------------------------------------------------------- marks
@@ -267,6 +314,11 @@ class ReportsBackend:
         mark made on another thread reaches no report stream and takes effect with the next mark after it.
         """
         if threading.get_ident() != self._thread:
+            if type(mark) is LiveAllocation:
+                sizes = self._explained_frees
+                if len(sizes) > 256:  # storages the allocator never noted: their frees move no total
+                    sizes.clear()
+                sizes[mark.nbytes] = sizes.get(mark.nbytes, 0) + 1
             self._marks.append((None, mark))
             return
         block = torch.UntypedStorage(MARK_BYTES, device="cpu")
@@ -317,10 +369,15 @@ class ReportsBackend:
         return False
 
     # ----------------------------------------------------------------------------------------------- reports
-    def apply(self, events: list[AllocatorEvent]) -> None:
+    def apply(self, events: list[AllocatorEvent], other_threads: list[tuple[int, int]] | None = None) -> None:
         """Count the reported allocations and frees, oldest first, and reach the marks among them.
 
         Runs for every allocation of the training process: the loop keeps to locals (no call per report).
+
+        Args:
+            events: The reports, oldest first.
+            other_threads: ``(index, bytes)``: other threads changed the allocator's total by ``bytes`` just before
+                ``events[index]`` (see :meth:`AllocatorReports._other_threads`).
         """
         state = self.state
         blocks, live_addrs, history = state.blocks, state.live_addrs, state.events
@@ -329,7 +386,15 @@ class ReportsBackend:
         fresh: list[LiveAllocation] = []
         allocated, peak = state.allocated, state.peak
         mark_free: int | None = None
+        elsewhere = other_threads or []
+        next_elsewhere = elsewhere[0][0] if elsewhere else -1
+        elsewhere_at = 0
+        freed_elsewhere = self._freed_elsewhere
         for index, (time_ns, addr, size) in enumerate(events):
+            if index == next_elsewhere:
+                allocated -= self._other_threads_changed(elsewhere[elsewhere_at][1], time_ns // 1000, metadata)
+                elsewhere_at += 1
+                next_elsewhere = elsewhere[elsewhere_at][0] if elsewhere_at < len(elsewhere) else -1
             if size == MARK_BYTES and self._reached_mark(events, index, allocated, peak):
                 allocated, peak = state.allocated, state.peak
                 metadata, stage = state.stream_metadata, state.stream_stage
@@ -344,8 +409,10 @@ class ReportsBackend:
                 if stale is not None:
                     # Its free happened where no report reached us (another thread, a lost session): the address
                     # being handed out again proves it.
-                    allocated -= stale.nbytes
+                    allocated -= self._stale_bytes(stale)
                     history.append((FREE, now, stale, metadata))
+                elif freed_elsewhere and addr in freed_elsewhere:
+                    del freed_elsewhere[addr]
                 if addr in live_addrs:
                     # Already counted: a storage adopted by weak reference before this report was read.
                     continue
@@ -362,10 +429,69 @@ class ReportsBackend:
                 if entry is not None:
                     allocated -= entry.nbytes
                     history.append((FREE, now, entry, metadata))
+                elif freed_elsewhere and addr in freed_elsewhere:
+                    self._counted_down_the_wrong_block(addr)
         state.allocated, state.peak = allocated, peak
         if fresh:
             self._give_frames(fresh)
         self.pending_frames.clear()
+
+    # ----------------------------------------------------------------------------------------------- other threads
+    def _other_threads_changed(self, change: int, now: int, metadata: str) -> int:
+        """Other threads changed the allocator's total by ``change`` bytes since this thread's previous report: the
+        bytes of a counted block they freed (now counted down), or 0.
+
+        A block this thread made and another thread freed (a collective's worker thread dropping the last reference
+        to its output) is otherwise counted until its address is handed out again. A fall in the total is matched
+        first to what is explained already (a block another thread allocated, a storage counted by weak reference
+        that it freed), then to the oldest counted block of exactly that size; anything else (several changes at
+        once) is left to the address being handed out again.
+        """
+        if change > 0:
+            pending = self._other_allocations
+            if len(pending) > 4096:  # blocks other threads keep for good: nothing to match them with
+                pending.clear()
+            pending[change] = pending.get(change, 0) + 1
+            return 0
+        size = -change
+        for explained in (self._explained_frees, self._other_allocations):
+            count = explained.get(size)
+            if count:
+                if count == 1:
+                    del explained[size]
+                else:
+                    explained[size] = count - 1
+                return 0
+        blocks = self.state.blocks
+        for addr, entry in blocks.items():
+            if entry.nbytes == size:
+                break
+        else:
+            return 0
+        del blocks[addr]
+        freed = self._freed_elsewhere
+        if len(freed) > 4096:
+            freed.clear()
+        freed[addr] = size
+        self.state.events.append((FREE, now, entry, metadata))
+        return size
+
+    def _counted_down_the_wrong_block(self, addr: int) -> None:
+        """This thread freed a block already counted down as freed by another thread: the one that thread really
+        freed is another of the same size, still counted; it is not counted down again when found out."""
+        size = self._freed_elsewhere.pop(addr)
+        self._owed[size] = self._owed.get(size, 0) + 1
+
+    def _stale_bytes(self, stale: LiveAllocation) -> int:
+        """Bytes to count down for a block found freed where no report reached us (0 if counted down already)."""
+        owed = self._owed.get(stale.nbytes)
+        if not owed:
+            return stale.nbytes
+        if owed == 1:
+            del self._owed[stale.nbytes]
+        else:
+            self._owed[stale.nbytes] = owed - 1
+        return 0
 
     def _give_frames(self, fresh: list[LiveAllocation]) -> None:
         """Give each new block the stack noted for it; a block no operator returned (a temporary inside one) gets
