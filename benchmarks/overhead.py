@@ -3,9 +3,10 @@
 Usage: python benchmarks/overhead.py [--steps 30] [--rounds 3] [--batch-size 4] [--seq-len 128] [--threads 1,2]
 
 Runs the tiny Qwen2 (3.4M parameters, from config) with AdamW under Lightning on this machine's device, interleaving
-the variants round by round so that machine noise hits them alike, and prints the median step time of each and its
-ratio to the plain run, for each torch thread count asked for. A step is timed start to start (from one
-``on_train_batch_start`` to the next), so every hook of MemTrace, its ``batch_end`` work included, is inside:
+the variants round by round so that machine noise hits them alike (each run in a process of its own), and prints the
+median step time of each, its ratio to the plain run and the median of the rounds' own ratios, for each torch thread
+count asked for. A step is timed start to start (from one ``on_train_batch_start`` to the next), so every hook of
+MemTrace, its ``batch_end`` work included, is inside:
 
 - plain: no callback
 - memtrace_counters: MemTrace(track_allocations=False, history=False) (CPU: categories only; CUDA: allocator counters)
@@ -21,9 +22,10 @@ only, <= 1.05 history on.
 from __future__ import annotations
 
 import argparse
-import contextlib
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 import warnings
@@ -135,19 +137,28 @@ def run(variant: str, args, root: str) -> list[float]:
     return timer.times[args.warmup:]
 
 
-def report(times: dict[str, list[float]], variants: list[str], args) -> None:
+def report(times: dict[str, list[list[float]]], variants: list[str], args) -> None:
+    """Median step of each variant over every round, its ratio to plain, and the median of the rounds' own ratios (each
+    round's variant against that round's plain run: steadier when the machine's speed drifts between rounds)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    base = statistics.median(times["plain"])
+    plain_rounds = times["plain"]
+    base = statistics.median([t for run in plain_rounds for t in run])
     print(f"device={device} torch={torch.__version__} threads={torch.get_num_threads()} "
           f"steps/round={args.steps - args.warmup} rounds={args.rounds} "
           f"batch={args.batch_size}x{args.seq_len} (start-to-start)")
-    print(f"{'variant':<20}{'median step (ms)':>18}{'ratio vs plain':>16}")
+    print(f"{'variant':<20}{'median step (ms)':>18}{'ratio vs plain':>16}{'per-round ratio':>17}")
     for variant in variants:
-        if not times[variant]:
-            print(f"{variant:<20}{'n/a':>18}{'n/a':>16}")
+        rounds = [run for run in times[variant] if run]
+        if not rounds:
+            print(f"{variant:<20}{'n/a':>18}{'n/a':>16}{'n/a':>17}")
             continue
-        median = statistics.median(times[variant])
-        print(f"{variant:<20}{median * 1000:>18.2f}{median / base:>16.3f}", flush=True)
+        median = statistics.median([t for run in rounds for t in run])
+        paired = statistics.median(
+            statistics.median(run) / statistics.median(plain)
+            for run, plain in zip(times[variant], plain_rounds)
+            if run and plain
+        )
+        print(f"{variant:<20}{median * 1000:>18.2f}{median / base:>16.3f}{paired:>17.3f}", flush=True)
 
 
 def main() -> int:
@@ -161,25 +172,44 @@ def main() -> int:
         "--variants", default="plain,memtrace_counters,memtrace,memtrace_dispatch,torch_memtracker,profiler_memory"
     )
     parser.add_argument("--threads", default="1,2", help="torch intra-op thread counts, comma-separated (0: default)")
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # run one variant here and print its step times
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     import logging
 
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    variants = args.variants.split(",")
-    default_threads = torch.get_num_threads()
-    for threads in [int(t) for t in args.threads.split(",")]:
-        torch.set_num_threads(threads or default_threads)
-        times: dict[str, list[float]] = {v: [] for v in variants}
+    if args.child:
+        threads = int(args.threads)
+        torch.set_num_threads(threads or torch.get_num_threads())
         with TemporaryDirectory() as root:
-            for round_index in range(args.rounds):
-                for variant in variants:
-                    try:
-                        times[variant].extend(run(variant, args, root))
-                    except Exception as error:  # a reference tool that does not run here
-                        print(f"{variant}: failed ({type(error).__name__}: {error})", file=sys.stderr)
+            print(json.dumps(run(args.child, args, root)))
+        return 0
+    variants = args.variants.split(",")
+    for threads in [int(t) for t in args.threads.split(",")]:
+        times: dict[str, list[list[float]]] = {v: [] for v in variants}
+        for round_index in range(args.rounds):
+            for variant in variants:
+                times[variant].append(run_isolated(variant, threads, args))
+        if threads:
+            torch.set_num_threads(threads)
         report(times, variants, args)
     return 0
+
+
+def run_isolated(variant: str, threads: int, args) -> list[float]:
+    """One run of ``variant`` in a process of its own: what a run leaves behind (a reference tool's profiler state, a
+    fragmented heap) must not slow the runs after it."""
+    command = [
+        sys.executable, __file__, "--child", variant, "--threads", str(threads), "--steps", str(args.steps),
+        "--warmup", str(args.warmup), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
+    ]
+    result = subprocess.run(command, capture_output=True, text=True)
+    lines = result.stdout.strip().splitlines()
+    if result.returncode != 0 or not lines:
+        reason = (result.stderr.strip().splitlines() or ["no output"])[-1]
+        print(f"{variant}: failed ({reason})", file=sys.stderr)  # a reference tool that does not run here
+        return []
+    return json.loads(lines[-1])
 
 
 if __name__ == "__main__":
