@@ -137,13 +137,13 @@ def run(variant: str, args, root: str) -> list[float]:
     return timer.times[args.warmup:]
 
 
-def report(times: dict[str, list[list[float]]], variants: list[str], args) -> None:
+def report(times: dict[str, list[list[float]]], variants: list[str], args, threads: int) -> None:
     """Median step of each variant over every round, its ratio to plain, and the median of the rounds' own ratios (each
     round's variant against that round's plain run: steadier when the machine's speed drifts between rounds)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     plain_rounds = times["plain"]
     base = statistics.median([t for run in plain_rounds for t in run])
-    print(f"device={device} torch={torch.__version__} threads={torch.get_num_threads()} "
+    print(f"device={device} torch={torch.__version__} threads={threads or torch.get_num_threads()} "
           f"steps/round={args.steps - args.warmup} rounds={args.rounds} "
           f"batch={args.batch_size}x{args.seq_len} (start-to-start)")
     print(f"{'variant':<20}{'median step (ms)':>18}{'ratio vs plain':>16}{'per-round ratio':>17}")
@@ -190,9 +190,7 @@ def main() -> int:
         for round_index in range(args.rounds):
             for variant in variants:
                 times[variant].append(run_isolated(variant, threads, args))
-        if threads:
-            torch.set_num_threads(threads)
-        report(times, variants, args)
+        report(times, variants, args, threads)
     return 0
 
 

@@ -200,10 +200,10 @@ def test_deferred_rows_equal_rows_read_at_every_mark():
     assert deferred == immediate
 
 
-def _free_on_another_thread(holder: list) -> None:
+def _on_another_thread(work) -> None:
     import threading
 
-    thread = threading.Thread(target=holder.clear)
+    thread = threading.Thread(target=work)
     thread.start()
     thread.join()
 
@@ -216,7 +216,7 @@ def test_a_block_another_thread_frees_is_counted_down_when_it_is_freed():
         base = tracker.allocated
         holder = [torch.empty(3 * 10**6, dtype=torch.uint8)]
         tracker.reset_peak()
-        _free_on_another_thread(holder)
+        _on_another_thread(holder.clear)
         after = torch.empty(5 * 10**6, dtype=torch.uint8)
         assert tracker.allocated == base + 5 * 10**6
         assert tracker.peak == base + 5 * 10**6  # not 8 MB: the 3 MB block was gone before the 5 MB one came
@@ -230,22 +230,15 @@ def test_a_block_another_thread_frees_is_counted_down_when_it_is_freed():
 def test_blocks_other_threads_make_and_free_leave_the_count_alone():
     """Another thread's own block (made there, freed there) is not this thread's memory, nor taken for a counted
     block of the same size when it goes."""
-    import threading
-
-    def on_another_thread(work) -> None:
-        thread = threading.Thread(target=work)
-        thread.start()
-        thread.join()
-
     tracker = AllocationTracker("cpu", backend="reports")
     with tracker:
         kept = torch.empty(2 * 10**6, dtype=torch.uint8)
         base = tracker.allocated
         box: list = []
-        on_another_thread(lambda: box.append(torch.empty(2 * 10**6, dtype=torch.uint8)))
+        _on_another_thread(lambda: box.append(torch.empty(2 * 10**6, dtype=torch.uint8)))
         small = torch.empty(16, dtype=torch.uint8)  # the total has gone up by the other thread's block before this
         assert tracker.allocated == base + 16  # (read here: within one read, a rise and fall of the total cancel)
-        on_another_thread(box.clear)
+        _on_another_thread(box.clear)
         more = torch.empty(16, dtype=torch.uint8)  # ... and down by as much before this one
         assert tracker.allocated == base + 32
         assert tracker.peak >= base + 32

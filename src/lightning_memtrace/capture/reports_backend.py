@@ -296,13 +296,12 @@ class ReportsBackend:
         except Exception:  # the session broke in C++: counters stand as they are; the recorder warns (session_lost)
             self.session_lost = True
             return
-        other_threads = session.other_threads if events else []
         if not session.active and not torch_private.another_profiler_active():
             try:
                 session.start()
             except Exception:  # still not ours to open: try again at the next read
                 pass
-        self.apply(events, other_threads)
+        self.apply(events, session.other_threads)
         self._reach_marks(len(self._marks))
 
     # ----------------------------------------------------------------------------------------------- marks
