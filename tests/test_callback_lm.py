@@ -120,7 +120,7 @@ def test_report_written_at_end_of_fit(lm_run):
     module, callback, phases = lm_run
     html = (callback.output_dir / "report.html").read_text()
     assert callback.report_path == callback.output_dir / "report.html"
-    from test_report import external_loads
+    from report_pages import external_loads
 
     assert external_loads(html) == []  # self-contained: nothing loaded from anywhere
     assert (callback.output_dir / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

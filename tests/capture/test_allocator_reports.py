@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -208,11 +210,24 @@ def _on_another_thread(work) -> None:
     thread.join()
 
 
+@contextlib.contextmanager
+def _process_group() -> Iterator[None]:
+    """A one-process gloo group, as a sharded run has (its worker threads are where the training thread's blocks get
+    freed)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_block_another_thread_frees_is_counted_down_when_it_is_freed():
     """A collective's worker thread drops the last reference to a block the training thread made (gloo under FSDP2):
     its free reaches no report of this thread, and the allocator's process-wide total shows it at the next report."""
     tracker = AllocationTracker("cpu", backend="reports")
-    with tracker:
+    with _process_group(), tracker:
         base = tracker.allocated
         holder = [torch.empty(3 * 10**6, dtype=torch.uint8)]
         tracker.reset_peak()
@@ -224,6 +239,25 @@ def test_a_block_another_thread_frees_is_counted_down_when_it_is_freed():
         again = torch.empty(3 * 10**6, dtype=torch.uint8)
         assert tracker.allocated == base + 8 * 10**6
         del after, again
+        assert tracker.allocated == base
+
+
+def test_without_a_process_group_another_threads_free_is_never_taken_for_this_threads_block():
+    """Outside a sharded run, a block some other thread frees (its own, made before the session, of the very size of
+    one of this thread's) leaves this thread's blocks counted: nothing hands them to another thread there."""
+    from lightning_memtrace.capture.reports_backend import track_every_cpu_block
+
+    track_every_cpu_block()
+    theirs = [torch.empty(3 * 10**6, dtype=torch.uint8)]  # noted by the allocator, made before the session
+    tracker = AllocationTracker("cpu", backend="reports")
+    with tracker:
+        base = tracker.allocated
+        ours = torch.empty(3 * 10**6, dtype=torch.uint8)
+        _on_another_thread(theirs.clear)
+        small = torch.empty(16, dtype=torch.uint8)
+        assert tracker.allocated == base + 3 * 10**6 + 16
+        assert [e.nbytes for e in tracker.live_allocations() if e.addr == ours.data_ptr()] == [3 * 10**6]
+        del ours, small
         assert tracker.allocated == base
 
 

@@ -3,6 +3,7 @@ CPU Lightning run with the remedy applied, and the combination the search picks 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pandas as pd
@@ -132,6 +133,34 @@ def test_adamw_8bit_is_a_formula_without_bitsandbytes(monkeypatch, mlp_what_if):
     today = result.estimate.category_bytes()[Category.OPTIMIZER_STATE]
     assert row.kind == "formula" and row.categories["optimizer_state"] == today // 4
     assert 0 < row.saved_bytes <= today - today // 4
+
+
+def test_bitsandbytes_is_imported_quietly_and_offline():
+    """MemTrace's import of bitsandbytes (the 8-bit AdamW what-if, at the end of a fit or in an OOM post-mortem) puts
+    no line on stderr and never lets bitsandbytes ask ``kernels`` for a Hub kernel; an import the user made first, of
+    either package, is the one that stays."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("bitsandbytes")
+    code = (
+        "import sys, logging\n"
+        "logging.getLogger('bitsandbytes').setLevel(logging.INFO)\n"
+        "from lightning_memtrace.estimator.remedies import import_bitsandbytes\n"
+        "{before}"
+        "bnb = import_bitsandbytes()\n"
+        "assert bnb.optim.AdamW8bit and import_bitsandbytes() is bnb\n"
+        "assert logging.getLogger('bitsandbytes').level == logging.INFO\n"
+        "print(sorted(m for m in ('kernels', 'bitsandbytes') if sys.modules.get(m) is not None))\n"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+    ours = subprocess.run([sys.executable, "-c", code.format(before="")], capture_output=True, text=True, env=env)
+    assert ours.returncode == 0 and ours.stderr == "" and ours.stdout == "['bitsandbytes']\n", ours.stderr
+    if importlib.util.find_spec("kernels") is not None:
+        first = "import kernels\nkept = kernels\n"
+        kept = code.format(before=first) + "assert sys.modules['kernels'] is kept\n"
+        theirs = subprocess.run([sys.executable, "-c", kept], capture_output=True, text=True, env=env)
+        assert theirs.returncode == 0 and theirs.stdout == "['bitsandbytes', 'kernels']\n", theirs.stderr
 
 
 def _device_memory_for(usable: int) -> int:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_report import external_loads, summary_json
+from report_pages import external_loads, summary_json
 
 from lm_helpers import record_plain_loop
 from lightning_memtrace import cli

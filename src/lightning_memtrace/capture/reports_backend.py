@@ -61,6 +61,13 @@ def track_every_cpu_block() -> None:
         native.track_every_cpu_block()
 
 
+def _process_group_running() -> bool:
+    """Whether a ``torch.distributed`` process group is up (gloo's worker threads free blocks this thread made)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
 def unavailable_reason() -> str | None:
     """Why allocator reports cannot be read here, or None when they can."""
     if torch_private.profiler_api() is None:
@@ -248,6 +255,8 @@ class ReportsBackend:
         self._freed_elsewhere: dict[int, int] = {}
         # Bytes (by block size) of blocks freed by other threads that were counted down as another block of that size.
         self._owed: dict[int, int] = {}
+        # Whether a fall in the total nothing explains is taken for a block of this thread's that another thread freed.
+        self._collective_threads = False
 
     # ----------------------------------------------------------------------------------------------- lifecycle
     @property
@@ -272,6 +281,7 @@ class ReportsBackend:
             raise ReportsUnavailable(f"could not open a profiler session ({error})") from error
         self.session = session
         self.state.defer_free = self.mark
+        self._collective_threads = _process_group_running()
 
     def stop(self) -> None:
         """Take the last reports in and close the session; every mark not reached yet is reached now."""
@@ -443,8 +453,10 @@ class ReportsBackend:
         A block this thread made and another thread freed (a collective's worker thread dropping the last reference
         to its output) is otherwise counted until its address is handed out again. A fall in the total is matched
         first to what is explained already (a block another thread allocated, a storage counted by weak reference
-        that it freed), then to the oldest counted block of exactly that size; anything else (several changes at
-        once) is left to the address being handed out again.
+        that it freed), then, while a process group runs, to the oldest counted block of exactly that size; anything
+        else (several changes at once) is left to the address being handed out again. Without a process group there
+        is no collective thread to hand blocks to, and a fall is some other thread's own block (one made before the
+        session, say), never taken for one of this thread's.
         """
         if change > 0:
             pending = self._other_allocations
@@ -461,6 +473,8 @@ class ReportsBackend:
                 else:
                     explained[size] = count - 1
                 return 0
+        if not self._collective_threads:
+            return 0
         blocks = self.state.blocks
         for addr, entry in blocks.items():
             if entry.nbytes == size:

@@ -165,6 +165,35 @@ def available(module: str) -> bool:
         return False
 
 
+def import_bitsandbytes() -> Any:
+    """bitsandbytes, imported without a word on the console and without reaching the network.
+
+    Its import logs warnings (``Failed to load CPU gemm_4bit_forward from kernels-community`` on CPUs with AVX512-BF16)
+    and asks the ``kernels`` package for a kernel from the Hugging Face Hub. MemTrace imports it at the end of a fit
+    or in an OOM post-mortem, inside the user's process: a line on their console or a download there is not MemTrace's
+    to make. An import the user made first is left as it is."""
+    import logging
+    import sys
+
+    if "bitsandbytes" in sys.modules:
+        return sys.modules["bitsandbytes"]
+    logger = logging.getLogger("bitsandbytes")
+    level = logger.level
+    missing = object()
+    kernels = sys.modules.get("kernels", missing)
+    logger.setLevel(logging.ERROR)
+    sys.modules["kernels"] = None  # type: ignore[assignment]  # makes ``from kernels import ...`` an ImportError
+    try:
+        import bitsandbytes
+    finally:
+        logger.setLevel(level)
+        if kernels is missing:
+            sys.modules.pop("kernels", None)
+        else:
+            sys.modules["kernels"] = kernels  # type: ignore[assignment]
+    return bitsandbytes
+
+
 def adamw_8bit_measured() -> bool:
     """Whether 8-bit AdamW runs for real here (bitsandbytes installed); else it is a closed form."""
     return available("bitsandbytes")
@@ -269,7 +298,7 @@ def prepare_for(settings: Settings) -> Callable[[nn.Module], Any] | None:
 
 # ------------------------------------------------------------------------------------------------ the optimizer
 def _adamw_8bit_class(fake: bool) -> type:
-    import bitsandbytes as bnb
+    bnb = import_bitsandbytes()
 
     if not fake:
         return bnb.optim.AdamW8bit
