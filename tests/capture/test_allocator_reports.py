@@ -242,6 +242,30 @@ def test_a_block_another_thread_frees_is_counted_down_when_it_is_freed():
         assert tracker.allocated == base
 
 
+@pytest.mark.parametrize("freed_there", ["older", "newer"])
+def test_the_block_another_thread_frees_among_several_of_its_size_is_found(freed_there):
+    """Two counted blocks of one size and another thread frees one of them: the count is right at once (the newest is
+    taken first, as a collective's buffer is) and stays right when this thread frees the other one, whichever was
+    taken."""
+    size = 3 * 10**6
+    tracker = AllocationTracker("cpu", backend="reports")
+    with _process_group(), tracker:
+        base = tracker.allocated
+        blocks = {"older": [torch.empty(size, dtype=torch.uint8)], "newer": [torch.empty(size, dtype=torch.uint8)]}
+        kept = blocks["newer" if freed_there == "older" else "older"][0]
+        _on_another_thread(blocks[freed_there].clear)
+        first = torch.empty(16, dtype=torch.uint8)
+        assert tracker.allocated == base + size + 16
+        assert tracker.peak == base + 2 * size  # one of the two was gone before the 16 bytes came
+        blocks.clear()
+        del kept
+        second = torch.empty(16, dtype=torch.uint8)
+        assert tracker.allocated == base + 32
+        assert not [e for e in tracker.live_allocations() if e.nbytes == size]
+        del first, second
+        assert tracker.allocated == base
+
+
 def test_without_a_process_group_another_threads_free_is_never_taken_for_this_threads_block():
     """Outside a sharded run, a block some other thread frees (its own, made before the session, of the very size of
     one of this thread's) leaves this thread's blocks counted: nothing hands them to another thread there."""

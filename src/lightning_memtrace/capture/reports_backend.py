@@ -251,8 +251,9 @@ class ReportsBackend:
         # allocated (not counted here) and storages counted by weak reference that they freed (counted down by mark).
         self._other_allocations: dict[int, int] = {}
         self._explained_frees: dict[int, int] = {}
-        #: Blocks counted down where another thread freed them (address -> bytes), until the address shows again.
-        self._freed_elsewhere: dict[int, int] = {}
+        #: Blocks counted down where another thread freed them (address -> (bytes, time of the fall in the total,
+        #: µs)), until the address shows again.
+        self._freed_elsewhere: dict[int, tuple[int, int]] = {}
         # Bytes (by block size) of blocks freed by other threads that were counted down as another block of that size.
         self._owed: dict[int, int] = {}
         # Whether a fall in the total nothing explains is taken for a block of this thread's that another thread freed.
@@ -439,7 +440,7 @@ class ReportsBackend:
                     allocated -= entry.nbytes
                     history.append((FREE, now, entry, metadata))
                 elif freed_elsewhere and addr in freed_elsewhere:
-                    self._counted_down_the_wrong_block(addr)
+                    allocated -= self._freed_here_after_all(addr, now, metadata)
         state.allocated, state.peak = allocated, peak
         if fresh:
             self._give_frames(fresh)
@@ -453,9 +454,10 @@ class ReportsBackend:
         A block this thread made and another thread freed (a collective's worker thread dropping the last reference
         to its output) is otherwise counted until its address is handed out again. A fall in the total is matched
         first to what is explained already (a block another thread allocated, a storage counted by weak reference
-        that it freed), then, while a process group runs, to the oldest counted block of exactly that size; anything
-        else (several changes at once) is left to the address being handed out again. Without a process group there
-        is no collective thread to hand blocks to, and a fall is some other thread's own block (one made before the
+        that it freed), then, while a process group runs, to the newest counted block of exactly that size (see
+        :meth:`_count_down_freed_elsewhere`; a wrong pick is put right when this thread frees it); anything else
+        (several changes at once) is left to the address being handed out again. Without a process group there is no
+        collective thread to hand blocks to, and a fall is some other thread's own block (one made before the
         session, say), never taken for one of this thread's.
         """
         if change > 0:
@@ -475,25 +477,37 @@ class ReportsBackend:
                 return 0
         if not self._collective_threads:
             return 0
+        if self._count_down_freed_elsewhere(size, now, now, metadata):
+            return size
+        return 0
+
+    def _count_down_freed_elsewhere(self, size: int, fell_at: int, now: int, metadata: str) -> bool:
+        """Take the newest counted block of ``size`` bytes made by ``fell_at`` (µs) for the one another thread freed
+        then: a collective's worker lets go of the buffer of the collective that just ended, the newest of its size
+        as a rule. Returns whether there was one (it is then out of the count, freed ``now`` in the history)."""
         blocks = self.state.blocks
-        for addr, entry in blocks.items():
-            if entry.nbytes == size:
+        for addr, entry in reversed(blocks.items()):
+            if entry.nbytes == size and entry.time_us <= fell_at:
                 break
         else:
-            return 0
+            return False
         del blocks[addr]
         freed = self._freed_elsewhere
         if len(freed) > 4096:
             freed.clear()
-        freed[addr] = size
+        freed[addr] = (size, fell_at)
         self.state.events.append((FREE, now, entry, metadata))
-        return size
+        return True
 
-    def _counted_down_the_wrong_block(self, addr: int) -> None:
-        """This thread freed a block already counted down as freed by another thread: the one that thread really
-        freed is another of the same size, still counted; it is not counted down again when found out."""
-        size = self._freed_elsewhere.pop(addr)
+    def _freed_here_after_all(self, addr: int, now: int, metadata: str) -> int:
+        """This thread freed a block taken for one another thread freed: that thread freed another block of the same
+        size made by then, still counted. This free is counted (bytes returned) and that block taken out of the count
+        instead; where there is none, the bytes are owed to the first block of that size found freed later."""
+        size, fell_at = self._freed_elsewhere.pop(addr)
+        if self._count_down_freed_elsewhere(size, fell_at, now, metadata):
+            return size
         self._owed[size] = self._owed.get(size, 0) + 1
+        return 0
 
     def _stale_bytes(self, stale: LiveAllocation) -> int:
         """Bytes to count down for a block found freed where no report reached us (0 if counted down already)."""
