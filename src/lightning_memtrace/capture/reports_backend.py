@@ -475,9 +475,7 @@ class ReportsBackend:
                 else:
                     explained[size] = count - 1
                 return 0
-        if not self._collective_threads:
-            return 0
-        if self._count_down_freed_elsewhere(size, now, now, metadata):
+        if self._collective_threads and self._count_down_freed_elsewhere(size, now, now, metadata):
             return size
         return 0
 
