@@ -397,8 +397,7 @@ class MemTrace(Callback):
         recorder = self.recorder
         if recorder is None:
             return None
-        recorder.end_batch(next_step=trainer.global_step)
-        recorder.flush()
+        recorder.end_batch(next_step=trainer.global_step)  # reads the batch's reports and delivers its rows
         if accumulating(trainer):
             return None  # the next micro-batches belong to the same optimizer step: keep their maxima together
         metrics = self._maxima.take_train()

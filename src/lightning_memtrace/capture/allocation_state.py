@@ -152,9 +152,6 @@ class AllocationState:
     def entries(self) -> list[LiveAllocation]:
         return [*self.live.values(), *self.blocks.values()]
 
-    def counts_address(self, addr: int) -> bool:
-        return addr in self.blocks or addr in self.live_addrs
-
     def track_storage(self, storage: torch.UntypedStorage, adopted: bool = False, skip: int = 2) -> bool:
         """Count a storage of this device not counted yet (by its key, nor its memory by address). True if counted."""
         key = storage._cdata

@@ -110,9 +110,12 @@ class CategoryCounter:
         self._fsdp_params: list[Any] | None = None
 
     def refresh(self) -> None:
-        """Forget the cached parameter list (called once per batch: modules may swap their parameters)."""
+        """Forget the cached parameter list (called once per batch: modules may swap their parameters).
+
+        FSDP2's records of the sharded parameters are kept: ``fully_shard`` is applied before training starts, and
+        finding them walks every module.
+        """
         self._params = None
-        self._fsdp_params = None
 
     def _unsharded(self) -> tuple[list[Tensor], list[Tensor]]:
         """FSDP2's gathered full parameters and full gradients alive now (none on an unsharded run)."""

@@ -324,11 +324,16 @@ class MemoryRecorder:
             self.batch = None  # kept no longer than the batch: the next batch's rows must not see it alive
         self.rows.end_batch()
         self.saved.clear()
-        if self.rows.deferred and (
-            self.training
-            or len(self.rows.deferred) >= _DEFERRED_ROWS_MAX
-            or time.monotonic() - self._last_sync >= _DEFERRED_SECONDS_MAX
+        deferring = self.tracker is not None and self.tracker.deferring
+        if (self.training and deferring) or (
+            self.rows.deferred
+            and (
+                len(self.rows.deferred) >= _DEFERRED_ROWS_MAX
+                or time.monotonic() - self._last_sync >= _DEFERRED_SECONDS_MAX
+            )
         ):
+            # Once per training batch (also one without rows: the reports must not pile up); in validation only
+            # every few hundred rows or seconds.
             self._sync()
         if self.training:
             if next_step is None:

@@ -104,12 +104,15 @@ class AllocatorReports:
     Call :meth:`start`, then :meth:`drain` whenever the reports so far are wanted, and :meth:`stop` at the end.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, other_threads_blocks: bool = True) -> None:
         native = torch_private.native_logging()
         if torch_private.profiler_api() is None or native is None:
             raise ReportsUnavailable(unavailable_reason() or "allocator reports are unavailable")
         self._session = torch_private.MemoryOnlySession()
         self._native = native
+        # Whether the allocator goes on noting other threads' blocks while the session records (their frees of
+        # blocks this thread made show in the reports' totals; see _other_threads), at a cost on every allocation.
+        self._other_threads_blocks = other_threads_blocks
         self.active = False
         # The CPU allocator's process-wide total after the last report read, while the reports run on unbroken.
         self._last_total: int | None = None
@@ -131,6 +134,14 @@ class AllocatorReports:
         self.active = True
         self._last_total = None  # reports were missed since the last one read (if any)
         native.spend_unknown_free_warning()
+        if not self._other_threads_blocks:
+            native.note_other_threads_blocks(False)
+
+    def _closed(self) -> None:
+        """The session is over here (stopped, or taken over): every block is noted again, as before it."""
+        self.active = False
+        self._last_total = None
+        self._native.note_other_threads_blocks(True)
 
     def _open(self) -> None:
         # Two silenced calls: kineto's first use in the process sets its own level inside the first one.
@@ -152,8 +163,7 @@ class AllocatorReports:
         if not self.active:
             return []
         if not self.owned():
-            self.active = False
-            self._last_total = None
+            self._closed()
             raise SessionLost("another profiler took over the profiling session")
         collecting = gc.isenabled()
         if collecting:
@@ -167,7 +177,7 @@ class AllocatorReports:
             if reopen:
                 self._open()
             else:
-                self.active = False
+                self._closed()
         finally:
             if collecting:
                 gc.enable()
@@ -178,9 +188,9 @@ class AllocatorReports:
         tree = result.experimental_event_tree()
         # Reading a field of an event costs a C++ call each: map them at C speed, a field at a time.
         fields = list(map(_EXTRA_FIELDS, tree))
-        if not all(type(f) is allocation_type for f in fields) or _accelerator_in_use():
+        check_device = _accelerator_in_use()
+        if check_device or not set(map(type, fields)) <= {allocation_type}:
             # Other events (a record_function range) or other allocators' reports: keep the CPU allocations only.
-            check_device = _accelerator_in_use()
             kept = [
                 (event, f)
                 for event, f in zip(tree, fields)
@@ -188,7 +198,7 @@ class AllocatorReports:
             ]
             tree, fields = [event for event, _ in kept], [f for _, f in kept]
         times, sizes = list(map(_START_NS, tree)), list(map(_SIZE, fields))
-        if any(times[i] > times[i + 1] for i in range(len(times) - 1)):
+        if not all(map(operator.le, times, times[1:])):
             order = sorted(range(len(times)), key=times.__getitem__)
             times, sizes, fields = [times[i] for i in order], [sizes[i] for i in order], [fields[i] for i in order]
         self.other_threads = self._other_threads(fields, sizes)
@@ -225,6 +235,8 @@ class AllocatorReports:
             return self.drain(reopen=False)
         except SessionLost:
             return []
+        finally:
+            self._closed()  # also where closing broke in C++
 
 
 class ReportsBackend:
@@ -275,14 +287,15 @@ class ReportsBackend:
         reason = unavailable_reason()
         if reason is not None:
             raise ReportsUnavailable(reason)
+        collective_threads = _process_group_running()
         try:
-            session = AllocatorReports()
+            session = AllocatorReports(other_threads_blocks=collective_threads)
             session.start()
         except Exception as error:
             raise ReportsUnavailable(f"could not open a profiler session ({error})") from error
         self.session = session
         self.state.defer_free = self.mark
-        self._collective_threads = _process_group_running()
+        self._collective_threads = collective_threads
 
     def stop(self) -> None:
         """Take the last reports in and close the session; every mark not reached yet is reached now."""
@@ -295,9 +308,22 @@ class ReportsBackend:
 
     def sync(self) -> None:
         """Take in the allocator's reports since the last call (and reach the marks among them)."""
-        session = self.session
-        if session is None:
+        if self.session is None:
             return
+        # Reading the reports makes a few Python objects per report, most of them gone again by the end: with the
+        # collector paused meanwhile, they trigger none of the training process's collections (about 1 ms each).
+        collecting = gc.isenabled()
+        if collecting:
+            gc.disable()
+        try:
+            self._sync()
+        finally:
+            if collecting:
+                gc.enable()
+
+    def _sync(self) -> None:
+        session = self.session
+        assert session is not None
         try:
             events = session.drain()
         except SessionLost:

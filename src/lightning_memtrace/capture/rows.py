@@ -73,13 +73,13 @@ def row_parts(tracker: AllocationTracker | None, classified: Classified) -> tupl
         for category, storage in classified.values():
             totals[category] += storage.nbytes()
         return totals, labels, foreign
-    counted = tracker.counts_address
+    blocks, live_addrs = tracker.counted_addresses()
     for category, storage in classified.values():
         totals[category] += storage.nbytes()
         addr = storage.data_ptr()
         name = _CATEGORY_NAMES[category]
         labels.append((addr, name))
-        if not counted(addr):
+        if addr not in blocks and addr not in live_addrs:
             foreign.append((weakref.ref(storage), name))
     return totals, labels, foreign
 

@@ -14,7 +14,7 @@ pytorch.org/memory_viz, ``memtrace report``) open them.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -222,9 +222,10 @@ class AllocationTracker:
         self.sync()
         return self._state.peak
 
-    def counts_address(self, addr: int) -> bool:
-        """Memory at ``addr`` is counted: a block the allocator reported, or a storage counted by weak reference."""
-        return self._state.counts_address(addr)
+    def counted_addresses(self) -> tuple[Mapping[int, Any], Mapping[int, Any]]:
+        """The addresses whose memory is counted, as two mappings: blocks the allocator reported, and storages counted
+        by weak reference (to test many addresses without a call each; they change as the tracker counts)."""
+        return self._state.blocks, self._state.live_addrs
 
     def counters(self) -> tuple[int, int]:
         """(allocated, peak) as they stand, without taking in new reports (see :meth:`sync`)."""
