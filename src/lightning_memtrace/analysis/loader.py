@@ -14,37 +14,20 @@ from __future__ import annotations
 
 import base64
 import binascii
-import contextlib
 import dataclasses
-import gc
 import io
 import os
 import pickle
 import re
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lightning_memtrace.collector import gc_paused
 from lightning_memtrace.schema import read_header
 from lightning_memtrace.units import format_bytes
 
-
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector, as it was after.
-
-    A snapshot is millions of small dicts and lists (acyclic: reference counting frees them); building or walking
-    them otherwise triggers collections that walk them all again, over and over (3x slower on a million events). The
-    loader, the replay and each ``memtrace`` command (from the load to its last line of output) run under it.
-    """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 #: Default cap on the bytes read (and, for gzip and HTML, decompressed/decoded) from one snapshot file.
 DEFAULT_MAX_BYTES = 8 * 1024**3

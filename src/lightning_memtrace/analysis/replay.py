@@ -35,7 +35,8 @@ from lightning_memtrace.analysis.events import (
     first_positions,
     scatter_add,
 )
-from lightning_memtrace.analysis.loader import Snapshot, SnapshotError, gc_paused, normalize
+from lightning_memtrace.analysis.loader import Snapshot, SnapshotError, normalize
+from lightning_memtrace.collector import gc_paused
 from lightning_memtrace.analysis.model import DeviceReplay, Replay
 from lightning_memtrace.analysis.rules import NO_RULES, CategoryRules, RuleError, RulesLike
 from lightning_memtrace.analysis.stacks import (

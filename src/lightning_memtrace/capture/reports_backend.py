@@ -17,7 +17,6 @@ into the report stream where a row was taken, so that the row reads the bytes of
 
 from __future__ import annotations
 
-import gc
 import operator
 import threading
 import warnings
@@ -28,6 +27,7 @@ import torch
 
 from lightning_memtrace.capture import torch_private
 from lightning_memtrace.capture.allocation_state import ALLOC, FREE, AllocationState, LiveAllocation, RowMark
+from lightning_memtrace.collector import gc_paused
 from lightning_memtrace.types import Frame
 
 #: (time in Unix nanoseconds, address, signed size: positive for an allocation, negative for a free)
@@ -165,10 +165,7 @@ class AllocatorReports:
         if not self.owned():
             self._closed()
             raise SessionLost("another profiler took over the profiling session")
-        collecting = gc.isenabled()
-        if collecting:
-            gc.disable()
-        try:
+        with gc_paused():
             with self._native.kineto_silenced(), self._native.c10_silenced(), warnings.catch_warnings():
                 # An out-of-memory report has no kineto event to pair with (the session traces no CPU operators):
                 # torch warns about exactly that, in C++ or as a Python warning.
@@ -178,9 +175,6 @@ class AllocatorReports:
                 self._open()
             else:
                 self._closed()
-        finally:
-            if collecting:
-                gc.enable()
         return self._events(result)
 
     def _events(self, result: Any) -> list[AllocatorEvent]:
@@ -310,16 +304,8 @@ class ReportsBackend:
         """Take in the allocator's reports since the last call (and reach the marks among them)."""
         if self.session is None:
             return
-        # Reading the reports makes a few Python objects per report, most of them gone again by the end: with the
-        # collector paused meanwhile, they trigger none of the training process's collections (about 1 ms each).
-        collecting = gc.isenabled()
-        if collecting:
-            gc.disable()
-        try:
+        with gc_paused():  # the reports' objects set off none of the training process's collections
             self._sync()
-        finally:
-            if collecting:
-                gc.enable()
 
     def _sync(self) -> None:
         session = self.session

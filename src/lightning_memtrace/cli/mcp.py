@@ -84,7 +84,8 @@ def answer(argv: Sequence[str]) -> tuple[dict[str, Any] | None, str | None]:
     """``memtrace ARGV --json``'s object, or None and the command's one-line error (``memtrace: error: ...``).
 
     ``argv`` is one of ``summary ...``, ``diff ...``, ``estimate ...`` without ``--json``."""
-    from lightning_memtrace.analysis.loader import SnapshotError, gc_paused
+    from lightning_memtrace.analysis.loader import SnapshotError
+    from lightning_memtrace.collector import gc_paused
 
     result: dict[str, Any] = {}
     errors: list[str] = []

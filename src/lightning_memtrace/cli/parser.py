@@ -83,7 +83,8 @@ def _interrupted() -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``memtrace``; returns the exit status (errors: one line on stderr, status 2)."""
-    from lightning_memtrace.analysis.loader import SnapshotError, gc_paused
+    from lightning_memtrace.analysis.loader import SnapshotError
+    from lightning_memtrace.collector import gc_paused
 
     parser = build_parser()
     args = parser.parse_args(list(argv) if argv is not None else None)
