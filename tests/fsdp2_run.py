@@ -59,7 +59,9 @@ class LocalBytes(pl.Callback):
         local = [p.to_local() for p in params]
         grads = [p.grad.to_local() for p in params if p.grad is not None]
         state = [t.to_local() if hasattr(t, "to_local") else t
-                 for s in trainer.optimizers[0].state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+                 for s in trainer.optimizers[0].state.values() for t in s.values()
+                 # AdamW's steps stay on the CPU: not in a GPU's rows
+                 if isinstance(t, torch.Tensor) and t.device.type == local[0].device.type]
         (OUT / f"local_rank{trainer.global_rank}.json").write_text(json.dumps({
             "parameters": unique_storage_bytes(local),
             "gradients": unique_storage_bytes(grads),

@@ -367,6 +367,7 @@ class MemTrace(Callback):
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
         if self.recorder is not None:
             self.recorder.mark_forward_done()
+            self.recorder.watch_backward(loss)
 
     @override
     @_guarded

@@ -43,8 +43,18 @@ def load_config_dict(config: str | os.PathLike | dict[str, Any]) -> dict[str, An
     return data
 
 
-def build_causal_lm(config: str | os.PathLike | dict[str, Any], **overrides: Any) -> Any:
-    """``AutoModelForCausalLM.from_config`` on a local config, with random weights (nothing is downloaded)."""
+def build_causal_lm(
+    config: str | os.PathLike | dict[str, Any], attn_implementation: str | None = "eager", **overrides: Any
+) -> Any:
+    """``AutoModelForCausalLM.from_config`` on a local config, with random weights (nothing is downloaded).
+
+    Args:
+        config: A config dict, a ``config.json`` or a folder holding one.
+        attn_implementation: ``"eager"`` by default: the same code path on every machine, and the one whose saved
+            tensors people expect. ``None``: what transformers picks for the model (SDPA for most), as a user's
+            ``from_config`` / ``from_pretrained`` gets.
+        overrides: Config fields to change.
+    """
     if not TRANSFORMERS_AVAILABLE:
         raise ModuleNotFoundError(str(TRANSFORMERS_AVAILABLE))
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -52,5 +62,6 @@ def build_causal_lm(config: str | os.PathLike | dict[str, Any], **overrides: Any
     data = load_config_dict(config)
     data.update(overrides)
     hf_config = AutoConfig.for_model(**data)
-    # eager attention: the same code path on every machine, and the one whose saved tensors people expect.
-    return AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager")
+    if attn_implementation is None:
+        return AutoModelForCausalLM.from_config(hf_config)
+    return AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn_implementation)

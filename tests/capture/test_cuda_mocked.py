@@ -125,3 +125,85 @@ def test_recorder_on_cuda_exposes_the_runs_maximum(monkeypatch, tmp_path):
     assert recorder.max_allocated_bytes == 72_048
     assert recorder.max_reserved_bytes == 78_192
     assert torch.cuda.max_memory_allocated() == 2048  # reset at the last row: why max_allocated_bytes exists
+
+
+def _fake_thread_local_tags(monkeypatch) -> dict[int, list[str]]:
+    """The allocator's tag setter, kept per thread as CUDA's allocator keeps it: thread id -> the tags set there."""
+    import threading
+
+    from lightning_memtrace.capture import torch_private
+
+    tags: dict[int, list[str]] = {}
+
+    def setter(text: str) -> bool:
+        tags.setdefault(threading.get_ident(), []).append(text)
+        return True
+
+    monkeypatch.setattr(torch_private, "set_allocation_metadata", setter)
+    monkeypatch.setattr(cuda_history, "_tagging_thread", None)
+    return tags
+
+
+def _backward_on_another_thread(loss_of, hook_loss: bool) -> int:
+    """Run a backward on a thread of its own, as autograd runs a CUDA backward on its device thread."""
+    import threading
+
+    from lightning_memtrace.capture.categories import SavedTensorsRecorder
+
+    seen = {}
+
+    def work():
+        seen["thread"] = threading.get_ident()
+        weight = torch.randn(8, 8, requires_grad=True)
+        saved = SavedTensorsRecorder(torch.device("cpu"))
+        saved.push()
+        loss = loss_of(weight)
+        saved.pop()
+        if hook_loss:
+            loss.grad_fn.register_prehook(cuda_history.carry_allocation_tag)
+        loss.backward()
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    return seen["thread"]
+
+
+def test_the_backward_thread_gets_the_phase_tag_from_the_loss_hook_and_loses_it_when_the_backward_ends(monkeypatch):
+    import threading
+
+    tags = _fake_thread_local_tags(monkeypatch)
+    assert cuda_history.tag_allocations("phase=backward step=3")
+    # no saved tensor in this graph: the loss's pre-hook alone reaches the backward's thread
+    worker = _backward_on_another_thread(lambda w: (w * 2.0).sum(), hook_loss=True)
+    assert tags[threading.get_ident()] == ["phase=backward step=3"]
+    assert tags[worker] == ["phase=backward step=3", ""]
+
+
+def test_the_saved_tensor_unpack_hook_carries_the_tag_once_per_backward(monkeypatch):
+    tags = _fake_thread_local_tags(monkeypatch)
+    assert cuda_history.tag_allocations("phase=backward step=0")
+    worker = _backward_on_another_thread(lambda w: (w @ w).tanh().sum(), hook_loss=False)
+    # three saved tensors unpacked (w twice, tanh's output): one tag, one clear
+    assert tags[worker] == ["phase=backward step=0", ""]
+    # a new tag reaches the next backward; a backward on the tagging thread itself is left alone
+    assert cuda_history.tag_allocations("phase=backward step=1")
+    worker = _backward_on_another_thread(lambda w: (w @ w).tanh().sum(), hook_loss=False)
+    assert tags[worker][-2:] == ["phase=backward step=1", ""]
+    before = {thread: list(values) for thread, values in tags.items()}
+    from lightning_memtrace.capture.categories import SavedTensorsRecorder
+
+    weight = torch.randn(4, 4, requires_grad=True)
+    saved = SavedTensorsRecorder(torch.device("cpu"))
+    saved.push()
+    loss = (weight * weight).sum()
+    saved.pop()
+    loss.grad_fn.register_prehook(cuda_history.carry_allocation_tag)
+    loss.backward()
+    assert tags == before
+
+
+def test_without_a_tag_the_hooks_tag_nothing(monkeypatch):
+    tags = _fake_thread_local_tags(monkeypatch)
+    _backward_on_another_thread(lambda w: (w @ w).tanh().sum(), hook_loss=True)
+    assert tags == {}

@@ -67,9 +67,17 @@ def test_compiled_module_groups_by_compile_context(tmp_path):
             optimizer.zero_grad()
             rec.end_batch()
     dev = replay(load_snapshot(tmp_path / "snapshot_rank0_steps1-1.pickle")).main
-    contexts = {g["compile_context"] for g in compile_context_sites(dev, index=int(dev.timeline["live_bytes"].idxmax()))}
     with open(tmp_path / "snapshot_rank0_steps1-1.pickle", "rb") as handle:
         recorded = {e.get("compile_context") for e in pickle.load(handle)["device_traces"][0]}
     if recorded <= {None, "N/A", ""}:
         pytest.skip("torch wrote no compile context for these events")
+    # the compile context is per thread, like the allocator's tag: the compiled forward's buffers (made on the
+    # training thread) carry it, the backward's (autograd's device thread) do not; so look just after the last
+    # allocation made in compiled code, when the forward's saved buffers are alive
+    al = dev.allocations
+    compiled = al[~al["compile_context"].astype(str).isin(["", "N/A", "None"])]
+    assert len(compiled), sorted(map(str, recorded))
+    index = int(compiled["alloc_index"].max())
+    contexts = {g["compile_context"] for g in compile_context_sites(dev, index=index)}
+    print("compile contexts live after the compiled forward:", sorted(contexts))
     assert contexts - {""}, contexts

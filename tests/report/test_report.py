@@ -110,6 +110,20 @@ def test_strings_from_the_snapshot_are_escaped(tmp_path: Path) -> None:
     assert external_loads(page) == []
 
 
+def test_without_plotly_the_report_is_written_with_its_tables_and_a_note(tmp_path: Path, monkeypatch) -> None:
+    from lightning_memtrace.report import html
+
+    monkeypatch.setattr(html, "PLOTLY_AVAILABLE", False)
+    path = tmp_path / "s.pickle"
+    path.write_bytes(pickle.dumps(_big_trace(500)))
+    page = write_report(path, tmp_path / "r.html").read_text(encoding="utf-8")
+    assert "Plotly.newPlot" not in page
+    assert page.count("No interactive chart: it needs plotly") == 1
+    peak = replay(load_snapshot(path)).peak.live_bytes
+    assert summary_json(page)["peak_bytes"] == peak
+    assert f"{peak:,}" in page
+
+
 def _big_trace(n_pairs: int, seed: int = 0) -> dict[str, Any]:
     rng = np.random.default_rng(seed)
     sizes = rng.integers(512, 1 << 24, size=n_pairs)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_memtrace.capture import torch_private
+from lightning_memtrace.capture import cuda_history, torch_private
 from lightning_memtrace.capture.storages import (
     PLAIN_TENSORS,
     iter_tensors,
@@ -60,6 +60,8 @@ class SavedTensorsRecorder:
 
     @staticmethod
     def _unpack(tensor: Tensor) -> Tensor:
+        # runs on the thread that runs the backward: a CUDA backward's allocations get the phase tag there too
+        cuda_history.carry_allocation_tag()
         return tensor
 
     def push(self) -> bool:

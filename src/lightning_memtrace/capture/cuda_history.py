@@ -6,27 +6,71 @@ is what the recorder uses of them, and the one process-wide OOM observer that fo
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Any
 
+from lightning_memtrace.capture import torch_private
 from lightning_memtrace.capture.torch_private import (
     cuda_history_supported,
     cuda_oom_observer_attacher,
     cuda_snapshot,
-    set_allocation_metadata,
     start_cuda_history,
     stop_cuda_history,
 )
 
 __all__ = [
     "add_cuda_oom_listener",
+    "carry_allocation_tag",
     "cuda_history_supported",
     "cuda_snapshot",
     "remove_cuda_oom_listener",
-    "set_allocation_metadata",
+    "tag_allocations",
     "start_cuda_history",
     "stop_cuda_history",
 ]
+
+
+# The allocator keeps its tag (``user_metadata``) per thread, and autograd runs a CUDA backward on a device thread of
+# its own: a tag set on the training thread alone leaves every allocation of the backward untagged. The training
+# thread's tag is carried to such a thread by hooks that run there (the loss's pre-hook, the saved-tensor unpack hook)
+# and cleared there when that backward ends, so no tag outlives MemTrace's window on a thread it does not watch.
+class _CarriedTag(threading.local):
+    generation = -1
+
+
+_tag = ""
+_generation = 0
+_tagging_thread: int | None = None
+_carried = _CarriedTag()
+
+
+def tag_allocations(text: str) -> bool:
+    """Tag the CUDA allocations made from now on, on this thread and (through :func:`carry_allocation_tag`) on the
+    threads autograd runs backward on. Returns whether this torch could tag them."""
+    global _tag, _generation, _tagging_thread
+    if not torch_private.set_allocation_metadata(text):
+        return False
+    _tag, _generation, _tagging_thread = text, _generation + 1, threading.get_ident()
+    return True
+
+
+def carry_allocation_tag(*_: Any) -> None:
+    """Give the calling thread the tag of :func:`tag_allocations` if it lacks it (a hook's body: takes and returns
+    nothing that matters), and clear it there when the running backward ends."""
+    if _tagging_thread is None or _carried.generation == _generation or threading.get_ident() == _tagging_thread:
+        return
+    generation = _generation
+    if not torch_private.set_allocation_metadata(_tag):
+        return
+    _carried.generation = generation
+    torch_private.queue_backward_callback(_clear_carried_tag)
+
+
+def _clear_carried_tag() -> None:
+    if threading.get_ident() != _tagging_thread:
+        torch_private.set_allocation_metadata("")
+        _carried.generation = -1
 
 # One process-wide observer forwards to the recorders alive now: torch offers no way to detach an observer.
 _OOM_LISTENERS: "weakref.WeakSet[Any]" = weakref.WeakSet()

@@ -289,6 +289,13 @@ class MemoryRecorder:
         self.saved.pop()
         self._record(Phase.AFTER_FORWARD)
 
+    def watch_backward(self, loss: Any) -> None:
+        """Tag the backward of ``loss`` from its first node on, where autograd runs it (for CUDA tensors a thread of
+        its own, which the training thread's tag does not reach) while the history window records."""
+        grad_fn = getattr(loss, "grad_fn", None)
+        if grad_fn is not None and self.window.is_open and self.device.type == "cuda":
+            grad_fn.register_prehook(cuda_history.carry_allocation_tag)
+
     def mark_backward_done(self) -> None:
         """Take the ``after_backward`` row."""
         if not self._in_batch:
@@ -414,7 +421,7 @@ class MemoryRecorder:
         if self.tracker is not None:
             self.tracker.set_stage(stage.value, metadata)
         if self.window.is_open and self.device.type == "cuda":
-            cuda_history.set_allocation_metadata(metadata)
+            cuda_history.tag_allocations(metadata)
 
     def _warn(self, kind: str, message: str) -> None:
         if kind in self._warned:

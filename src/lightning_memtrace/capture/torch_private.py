@@ -361,6 +361,15 @@ def set_allocation_metadata(text: str) -> bool:
         return False
 
 
+def queue_backward_callback(callback: Callable[[], None]) -> bool:
+    """Run ``callback`` when the backward running now ends, on the thread that finishes it; False outside one."""
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(callback)
+        return True
+    except Exception:  # called outside a backward, or a torch without the engine's callback queue
+        return False
+
+
 def cuda_oom_observer_attacher() -> Callable[[Callable[..., None]], None] | None:
     """``torch._C._cuda_attach_out_of_memory_observer`` where this torch has it and CUDA is available."""
     attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)

@@ -176,7 +176,7 @@ class HistoryWindow:
             if self.tracker is not None:
                 self.tracker.record_history(False)
             elif self.device.type == "cuda":
-                cuda_history.set_allocation_metadata("")
+                cuda_history.tag_allocations("")
                 cuda_history.stop_cuda_history()
         return self.files.write_snapshot(window_snapshot_filename(self.rank, first, last), snapshot)
 

@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 import pandas as pd
+from lightning_utilities.core.imports import RequirementCache
 
 from lightning_memtrace.analysis.phases import phase_peaks_table
 from lightning_memtrace.analysis.ranks import RankOverview
@@ -15,8 +16,18 @@ from lightning_memtrace.report.style import category_color, esc
 from lightning_memtrace.units import format_bytes
 
 
+#: plotly is optional (the ``report`` extra): without it the report is written with its tables and no chart.
+PLOTLY_AVAILABLE = RequirementCache("plotly>=5.0")
+NO_PLOTLY_NOTE = (
+    '<p class="note">No interactive chart: it needs plotly (<code>pip install "lightning-memtrace[report]"</code>). '
+    "The tables hold the same figures.</p>"
+)
+
+
 def chart_html(fig: Any, include_js: bool, config: dict[str, Any], div_id: str) -> str:
     """One plotly chart as an HTML fragment; plotly.js goes inline with the first chart of the page only."""
+    if not PLOTLY_AVAILABLE:
+        return NO_PLOTLY_NOTE
     import plotly.io as pio
 
     return pio.to_html(
