@@ -12,23 +12,34 @@ from lightning_memtrace.capture.counters import CudaCounters, allocator_counters
 
 
 def test_cuda_counters_read_and_reset_peak(monkeypatch):
-    state = {"allocated": 1000, "reserved": 4096, "peak": 3000, "resets": 0}
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: state["allocated"])
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: state["reserved"])
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: state["peak"])
+    state = {"allocated": 1000, "reserved": 4096, "peak": 3000, "peak_reserved": 8192, "resets": 0, "reads": 0}
+
+    def nested_stats(device=None):
+        state["reads"] += 1
+        return {
+            "allocated_bytes": {"all": {"current": state["allocated"], "peak": state["peak"]}},
+            "reserved_bytes": {"all": {"current": state["reserved"], "peak": state["peak_reserved"]}},
+        }
+
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", nested_stats)
 
     def reset(device=None):
         state["resets"] += 1
         state["peak"] = state["allocated"]
+        state["peak_reserved"] = state["reserved"]
 
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
     counters = CudaCounters(torch.device("cuda", 0))
     assert state["resets"] == 1
+    assert (counters.max_allocated, counters.max_reserved) == (3000, 8192)  # the peak held before MemTrace started
     state["peak"] = 5000
     assert counters.read() == (1000, 4096, 5000)
     assert state["resets"] == 2
+    # one read of the statistics per row (memory_allocated and its kin each flatten them all)
+    assert state["reads"] == 2
     # the next phase's peak starts from what is allocated now
     assert counters.read() == (1000, 4096, 1000)
+    assert (counters.max_allocated, counters.max_reserved) == (5000, 8192)
 
 
 def test_history_uses_python_stacks_and_ring_buffer(monkeypatch):
@@ -81,11 +92,18 @@ class _FakeCudaAllocator:
             ("memory_reserved", lambda device=None: self.reserved),
             ("max_memory_allocated", lambda device=None: self.peak),
             ("max_memory_reserved", lambda device=None: self.peak_reserved),
+            ("memory_stats_as_nested_dict", lambda device=None: self.nested_stats()),
             ("reset_peak_memory_stats", lambda device=None: self.reset()),
             ("is_available", lambda: True),
             ("current_device", lambda: 0),
         ):
             monkeypatch.setattr(torch.cuda, name, value)
+
+    def nested_stats(self) -> dict:
+        return {
+            "allocated_bytes": {"all": {"current": self.allocated, "peak": self.peak}},
+            "reserved_bytes": {"all": {"current": self.reserved, "peak": self.peak_reserved}},
+        }
 
     def reset(self) -> None:
         self.peak, self.peak_reserved = self.allocated, self.reserved
