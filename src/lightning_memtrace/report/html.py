@@ -19,7 +19,7 @@ from lightning_memtrace.units import format_bytes
 #: plotly is optional (the ``report`` extra): without it the report is written with its tables and no chart.
 PLOTLY_AVAILABLE = RequirementCache("plotly>=5.0")
 NO_PLOTLY_NOTE = (
-    '<p class="note">No interactive chart: it needs plotly (<code>pip install "lightning-memtrace[report]"</code>). '
+    '<p class="meta">No interactive chart: it needs plotly (<code>pip install "lightning-memtrace[report]"</code>). '
     "The tables hold the same figures.</p>"
 )
 
