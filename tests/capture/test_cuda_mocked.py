@@ -225,3 +225,20 @@ def test_without_a_tag_the_hooks_tag_nothing(monkeypatch):
     tags = _fake_thread_local_tags(monkeypatch)
     _backward_on_another_thread(lambda w: (w @ w).tanh().sum(), hook_loss=True)
     assert tags == {}
+
+
+def test_what_if_device_memory_is_the_limit_the_caching_allocator_enforces(monkeypatch):
+    """Under ``set_per_process_memory_fraction`` the allocator fails at that fraction of the card: what fits is judged
+    against it (the OOM message's "X GiB allowed")."""
+    from types import SimpleNamespace
+
+    from lightning_memtrace.estimator.budget import device_memory_bytes
+
+    total = 150_754_820_096
+    fractions = {0: 1.0, 1: 0.5}
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace(total_memory=total))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda index: fractions[index])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert device_memory_bytes("cuda:0") == total
+    assert device_memory_bytes("cuda:1") == total // 2
+    assert device_memory_bytes("cuda") == total // 2

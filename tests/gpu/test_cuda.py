@@ -99,10 +99,10 @@ def test_real_cuda_oom_post_mortem(tmp_path):
         snapshot = pickle.load(handle)
     assert snapshot["segments"]
     assert snapshot["memtrace"]["post_mortem"]["requested_bytes"] >= int(total * 0.6)
-    # what would fit, estimated on fake CUDA tensors for the module and the batch it died on, against the card's
-    # total memory (fake tensors: the failed run's own memory is not touched)
+    # what would fit, estimated on fake CUDA tensors for the module and the batch it died on, against the memory the
+    # allocator allowed: half the card here (fake tensors: the failed run's own memory is not touched)
     what_if = snapshot["memtrace"]["post_mortem"]["what_if"]
-    assert what_if["made"] and what_if["device_memory"] == total and len(what_if["what_if"]) >= 5
+    assert what_if["made"] and what_if["device_memory"] == int(total * 0.5) and len(what_if["what_if"]) >= 5
     assert "what would fit (estimated on fake tensors" in text
     assert all(row["peak_bytes"] > 0 for row in what_if["what_if"])
 

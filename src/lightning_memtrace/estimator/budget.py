@@ -35,13 +35,16 @@ FSDP_DISTRIBUTED = "torch.distributed is initialized in this run (the estimate w
 
 
 def device_memory_bytes(device: torch.device | str) -> int | None:
-    """The memory a training step on ``device`` may use at most, in bytes: a CUDA device's total memory, the host's
+    """The memory a training step on ``device`` may use at most, in bytes: a CUDA device's total memory (times the
+    process's ``torch.cuda.set_per_process_memory_fraction``, the limit the caching allocator enforces), the host's
     physical RAM for CPU (``os.sysconf``), None elsewhere or where it cannot be read."""
     device = torch.device(device)
     try:
         if device.type == "cuda":
             index = device.index if device.index is not None else torch.cuda.current_device()
-            return int(torch.cuda.get_device_properties(index).total_memory)
+            total = int(torch.cuda.get_device_properties(index).total_memory)
+            fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+            return int(total * fraction(index)) if fraction is not None else total
         if device.type == "cpu":
             return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
     except (OSError, ValueError, RuntimeError, AttributeError):
