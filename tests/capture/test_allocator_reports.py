@@ -411,3 +411,35 @@ def test_a_training_batch_reads_the_reports_once(tmp_path, monkeypatch):
     trainer(tmp_path, [memtrace, per_batch], max_steps=6).fit(MLP())
     assert [b - a for a, b in zip(per_batch.counts, per_batch.counts[1:])] == [1] * 5
     assert len(load_phases(memtrace.output_dir)) == 6 * 5
+
+
+def _made_by_first() -> torch.Tensor:
+    return torch.ones(4096)
+
+
+def _made_by_second() -> torch.Tensor:
+    return torch.zeros(4096)
+
+
+def test_blocks_made_at_an_address_handed_out_again_get_their_own_stacks():
+    """Between two reads the allocator hands a freed address out again: each block made there gets the stack of the
+    operator that made it, in order (a stack noted later at the address is not given to an earlier block)."""
+    tracker = AllocationTracker("cpu", backend="reports")
+    with tracker:
+        tracker.record_history(True)
+        kept: list[torch.Tensor] = []
+        for _ in range(20):
+            first = _made_by_first()
+            addr = first.data_ptr()
+            del first
+            kept = [_made_by_second()]
+            if kept[0].data_ptr() == addr:
+                break
+        else:
+            pytest.skip("the allocator did not hand the address out again")
+        trace = tracker.snapshot()["device_traces"][0]
+        kept.clear()
+    made_there = [e for e in trace if e["action"] == "alloc" and e["addr"] == addr]
+    names = [{frame["name"] for frame in e["frames"]} for e in made_there[-2:]]
+    assert "_made_by_first" in names[0] and "_made_by_second" not in names[0]
+    assert "_made_by_second" in names[1] and "_made_by_first" not in names[1]

@@ -95,13 +95,14 @@ class DispatchBackend:
         self._count = state.count
         self._track_storage = state.track_storage
         self._cpu_only = state.device_type == "cpu"
-        self._frames_into: dict[int, list[Frame]] | None = None
+        self._frames_into: dict[int, list[list[Frame]]] | None = None
         self._mode: _TrackerMode | None = None
         self._resizes_seen: contextlib.ExitStack | None = None
 
-    def note_frames_into(self, pending: dict[int, list[Frame]]) -> None:
-        """Count nothing from now on: note the Python stack of each new output in ``pending``, by address (for the
-        allocator's report of it); out-of-memory errors are left to the caller (``on_oom`` is dropped)."""
+    def note_frames_into(self, pending: dict[int, list[list[Frame]]]) -> None:
+        """Count nothing from now on: note the Python stack of each new output in ``pending``, by address, oldest
+        first (for the allocator's reports of the blocks made there, in the same order: an address is handed out again
+        many times between two reads); out-of-memory errors are left to the caller (``on_oom`` is dropped)."""
         self._frames_into = pending
         self._track_output = self._note_frames  # type: ignore[method-assign]
         self.on_oom = None
@@ -218,7 +219,8 @@ class DispatchBackend:
             return
         storage = tensor.untyped_storage()
         if storage.nbytes():
-            self._frames_into[storage.data_ptr()] = capture_frames(skip=3, depth=self.state.stack_depth)  # type: ignore[index]
+            frames = capture_frames(skip=3, depth=self.state.stack_depth)
+            self._frames_into.setdefault(storage.data_ptr(), []).append(frames)  # type: ignore[union-attr]
 
     def _refresh_sizes(self, args: tuple) -> None:
         if self._frames_into is not None:

@@ -249,7 +249,8 @@ class ReportsBackend:
         #: Set when another profiler took the session over (allocated/peak missed what happened meanwhile).
         self.session_lost = False
         #: Python stacks of operator outputs by address, noted by the dispatch mode inside a history window.
-        self.pending_frames: dict[int, list[Frame]] = {}
+        #: The stacks of the outputs made since the last read, by address, oldest first (see ``_give_frames``).
+        self.pending_frames: dict[int, list[list[Frame]]] = {}
         # Marks put into the report stream and not reached yet: (address of the mark's block or None, mark).
         self._marks: deque[tuple[int | None, RowMark | LiveAllocation]] = deque()
         self._thread = threading.get_ident()
@@ -531,13 +532,15 @@ class ReportsBackend:
         return 0
 
     def _give_frames(self, fresh: list[LiveAllocation]) -> None:
-        """Give each new block the stack noted for it; a block no operator returned (a temporary inside one) gets
-        the nearest output's stack: the previous one's, else the next one's."""
+        """Give each new block the stack noted for it: the k-th block made at an address gets the k-th stack noted
+        there (the allocator hands an address out again as soon as it is freed). A block no operator returned (a
+        temporary inside one) gets the nearest output's stack: the previous one's, else the next one's."""
         pending = self.pending_frames
         last_frames: list[Frame] | None = None
         orphans: list[LiveAllocation] = []
         for entry in fresh:
-            frames = pending.pop(entry.addr, None)
+            noted = pending.get(entry.addr)
+            frames = noted.pop(0) if noted else None
             if frames is None:
                 entry.frames = last_frames
                 if last_frames is None:
