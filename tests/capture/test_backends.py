@@ -71,7 +71,7 @@ def test_reports_apply_gives_temporaries_the_nearest_outputs_stack():
     state.capture_all_frames = True
     backend = ReportsBackend(state)
     stack = [{"filename": "model.py", "line": 3, "name": "forward"}]
-    backend.pending_frames[B] = stack
+    backend.pending_frames[B] = [stack]
     backend.apply([(1_000, A, 1), (2_000, B, 2), (3_000, C, 4)])  # A and C: temporaries around the output B
     assert {e.addr: e.frames for e in state.entries()} == {A: stack, B: stack, C: stack}
     assert not backend.pending_frames
@@ -124,4 +124,5 @@ def test_dispatch_backend_noting_frames_counts_nothing():
     finally:
         backend.stop()
     assert state.allocated == 0 and not state.events
-    assert pending[out.data_ptr()][0]["filename"] == __file__
+    (noted,) = pending[out.data_ptr()]  # one stack per output made at the address, oldest first
+    assert noted[0]["filename"] == __file__
