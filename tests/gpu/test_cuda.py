@@ -126,3 +126,21 @@ def test_max_allocated_bytes_is_the_runs_peak_although_rows_reset_the_statistics
     # the same run without MemTrace peaks at the same bytes (categories add no device memory)
     assert abs(callback.max_allocated_bytes - bare_peak) <= 0.01 * bare_peak
     assert torch.cuda.max_memory_allocated() <= callback.max_allocated_bytes
+
+
+def test_no_phase_tag_outlives_the_window_on_any_thread(tmp_path):
+    """The backward's device thread is tagged only while the window records: a user's own history afterwards (here
+    of a run whose window ended with its last step) has no MemTrace tag, on the training thread or the backward's."""
+    module = TinyLM(batch_size=4, seq_len=64)
+    _gpu_trainer(tmp_path, [MemTrace(report=False)], max_steps=3).fit(module)
+    model = module.cuda()
+    torch.cuda.memory._record_memory_history(max_entries=100_000)
+    try:
+        batch = {"input_ids": next(iter(module.train_dataloader()))["input_ids"].cuda()}
+        model.training_step(batch, 0).backward()
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    allocs = [e for e in snapshot["device_traces"][0] if e["action"] == "alloc"]
+    assert len(allocs) > 20
+    assert not [e.get("user_metadata") for e in allocs if e.get("user_metadata")]
