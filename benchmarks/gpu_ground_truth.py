@@ -30,30 +30,21 @@ import warnings
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 import lightning.pytorch as pl
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 from lightning_memtrace import MemTrace, load_phases  # noqa: E402
 from lightning_memtrace.estimator import estimate_from_config  # noqa: E402
 from lightning_memtrace.models import build_causal_lm  # noqa: E402
+from overhead import Tokens  # noqa: E402  (the random-token dataset of the CPU/GPU overhead benchmark)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 GPT2 = ROOT.parent / "shared" / "reference" / "configs" / "gpt2-124m.json"
 CUDA = torch.cuda.is_available()
-
-
-class Tokens(Dataset):
-    def __init__(self, n: int, seq_len: int, vocab: int) -> None:
-        self.data = torch.randint(0, vocab, (n, seq_len), generator=torch.Generator().manual_seed(0))
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-    def __getitem__(self, i: int):
-        return {"input_ids": self.data[i]}
 
 
 class GPT2LM(pl.LightningModule):

@@ -248,8 +248,8 @@ class ReportsBackend:
         self.session: AllocatorReports | None = None
         #: Set when another profiler took the session over (allocated/peak missed what happened meanwhile).
         self.session_lost = False
-        #: Python stacks of operator outputs by address, noted by the dispatch mode inside a history window.
-        #: The stacks of the outputs made since the last read, by address, oldest first (see ``_give_frames``).
+        #: Python stacks of the operator outputs made since the last read, noted by the dispatch mode inside a history
+        #: window: by address, oldest first (see ``_give_frames``).
         self.pending_frames: dict[int, list[list[Frame]]] = {}
         # Marks put into the report stream and not reached yet: (address of the mark's block or None, mark).
         self._marks: deque[tuple[int | None, RowMark | LiveAllocation]] = deque()

@@ -25,9 +25,10 @@ NO_PLOTLY_NOTE = (
 
 
 def chart_html(fig: Any, include_js: bool, config: dict[str, Any], div_id: str) -> str:
-    """One plotly chart as an HTML fragment; plotly.js goes inline with the first chart of the page only."""
+    """One plotly chart as an HTML fragment; plotly.js goes inline with the first chart of the page only (and so does
+    the note that says why there is no chart, without plotly)."""
     if not PLOTLY_AVAILABLE:
-        return NO_PLOTLY_NOTE
+        return NO_PLOTLY_NOTE if include_js else ""
     import plotly.io as pio
 
     return pio.to_html(
