@@ -29,7 +29,6 @@ _GRAD = operator.attrgetter("grad")
 _CDATA = operator.attrgetter("_cdata")
 _UNTYPED_STORAGE = Tensor.untyped_storage
 _NBYTES = torch.UntypedStorage.nbytes
-_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
 
 
 class SavedTensorsRecorder:
@@ -210,9 +209,10 @@ class CategoryCounter:
     @staticmethod
     def totals(classified: dict[int, tuple[Category, torch.UntypedStorage]]) -> dict[Category, int]:
         totals = {category: 0 for category in Category}
-        entries = list(classified.values())
-        for category, nbytes in zip(map(_FIRST, entries), map(_NBYTES, map(_SECOND, entries))):
-            totals[category] += nbytes
+        if classified:
+            categories, storages = zip(*classified.values())
+            for category, nbytes in zip(categories, map(_NBYTES, storages)):
+                totals[category] += nbytes
         return totals
 
 

@@ -8,7 +8,6 @@ reaches the row's mark (:class:`~lightning_memtrace.capture.tracker.RowMark`).
 from __future__ import annotations
 
 import dataclasses
-import operator
 import weakref
 from collections import deque
 from typing import Any, NamedTuple
@@ -21,8 +20,6 @@ from lightning_memtrace.capture.tracker import AllocationTracker, RowMark
 from lightning_memtrace.types import Category, Phase, PhaseRecord
 
 _CATEGORY_NAMES = {category: category.value for category in Category}
-_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
-_NBYTES = torch.UntypedStorage.nbytes
 _DATA_PTR = torch.UntypedStorage.data_ptr
 Classified = dict[int, tuple[Category, torch.UntypedStorage]]
 Labels = list[tuple[int, str]]
@@ -70,15 +67,11 @@ def make_record(
 def row_parts(tracker: AllocationTracker | None, classified: Classified) -> tuple[dict[Category, int], Labels, Foreign]:
     """Totals by category, and for the tracker the ``(address, category)`` labels and the storages at addresses it does
     not count yet (adopted at the row's mark)."""
-    if tracker is None:
-        return CategoryCounter.totals(classified), [], []
-    totals = {category: 0 for category in Category}
+    totals = CategoryCounter.totals(classified)
+    if tracker is None or not classified:
+        return totals, [], []
     # Runs for every storage of every row: a field at a time, at C speed.
-    entries = list(classified.values())
-    categories = list(map(_FIRST, entries))
-    storages = list(map(_SECOND, entries))
-    for category, nbytes in zip(categories, map(_NBYTES, storages)):
-        totals[category] += nbytes
+    categories, storages = zip(*classified.values())
     names = list(map(_CATEGORY_NAMES.__getitem__, categories))
     addrs = list(map(_DATA_PTR, storages))
     labels: Labels = list(zip(addrs, names))

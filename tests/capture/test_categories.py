@@ -1,0 +1,56 @@
+"""Naming a row's storages: every tensor's storage once, under the first category that holds it."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lightning_memtrace.capture.categories import CategoryCounter
+from lightning_memtrace.types import Category
+
+
+def _trained_linear() -> tuple[nn.Linear, torch.optim.Optimizer]:
+    model = nn.Linear(16, 8)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 16)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def test_model_states_are_named_once_each_with_their_bytes():
+    model, optimizer = _trained_linear()
+    counter = CategoryCounter(torch.device("cpu"), model, [optimizer])
+    totals = CategoryCounter.totals(counter.classify())
+    assert totals[Category.PARAMETERS] == (16 * 8 + 8) * 4
+    assert totals[Category.GRADIENTS] == (16 * 8 + 8) * 4
+    # AdamW: exp_avg and exp_avg_sq per parameter (fp32) and a float32 step scalar each
+    assert totals[Category.OPTIMIZER_STATE] == 2 * (16 * 8 + 8) * 4 + 2 * 4
+    assert totals[Category.ACTIVATIONS] == totals[Category.INPUTS] == 0
+
+
+def test_a_storage_held_twice_counts_once_under_the_first_category():
+    model, optimizer = _trained_linear()
+    counter = CategoryCounter(torch.device("cpu"), model, [optimizer])
+    # the optimizer's state also points at the weight (a view of it): still a parameter, counted once
+    optimizer.state[model.weight]["alias"] = model.weight.detach()[:2]
+    classified = counter.classify()
+    assert classified[model.weight.untyped_storage()._cdata][0] is Category.PARAMETERS
+    assert CategoryCounter.totals(classified)[Category.OPTIMIZER_STATE] == 2 * (16 * 8 + 8) * 4 + 2 * 4
+
+
+def test_tensors_without_a_plain_storage_are_skipped_and_the_rest_still_named():
+    counter = CategoryCounter(torch.device("cpu"))
+    plain = torch.zeros(10)
+    sparse = torch.eye(3).to_sparse()  # a CPU tensor whose storage cannot be read
+    meta = torch.empty(100, device="meta")  # another device
+    other = torch.zeros(3, dtype=torch.float64)
+    for tensors in ([plain, sparse, plain[2:]], [plain, meta, plain[2:]]):
+        out: dict = {}
+        counter._collect(tensors, out, Category.OPTIMIZER_STATE)
+        assert list(out) == [plain.untyped_storage()._cdata]
+        assert CategoryCounter.totals(out)[Category.OPTIMIZER_STATE] == 40
+    out = {}
+    counter._collect(iter([other, plain]), out, Category.INPUTS)  # any iterable, first seen first
+    assert list(out) == [other.untyped_storage()._cdata, plain.untyped_storage()._cdata]
+    assert CategoryCounter.totals(out)[Category.INPUTS] == 24 + 40
+    assert CategoryCounter.totals({}) == {category: 0 for category in Category}
