@@ -391,13 +391,13 @@ def test_a_training_batch_reads_the_reports_once(tmp_path, monkeypatch):
     from lightning.pytorch import Callback
 
     drains: list[int] = []
-    original = AllocatorReports.drain
+    original = AllocatorReports.drain_columns
 
     def counting(self, reopen: bool = True):
         drains.append(1)
         return original(self, reopen)
 
-    monkeypatch.setattr(AllocatorReports, "drain", counting)
+    monkeypatch.setattr(AllocatorReports, "drain_columns", counting)
 
     class PerBatch(Callback):
         def __init__(self) -> None:

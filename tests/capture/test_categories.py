@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_memtrace.capture.categories import CategoryCounter
+from lightning_memtrace.capture.categories import CategoryCounter, NamedStorages
 from lightning_memtrace.types import Category
 
 
@@ -45,12 +45,29 @@ def test_tensors_without_a_plain_storage_are_skipped_and_the_rest_still_named():
     meta = torch.empty(100, device="meta")  # another device
     other = torch.zeros(3, dtype=torch.float64)
     for tensors in ([plain, sparse, plain[2:]], [plain, meta, plain[2:]]):
-        out: dict = {}
-        counter._collect(tensors, out, Category.OPTIMIZER_STATE)
-        assert list(out) == [plain.untyped_storage()._cdata]
-        assert CategoryCounter.totals(out)[Category.OPTIMIZER_STATE] == 40
-    out = {}
-    counter._collect(iter([other, plain]), out, Category.INPUTS)  # any iterable, first seen first
-    assert list(out) == [other.untyped_storage()._cdata, plain.untyped_storage()._cdata]
-    assert CategoryCounter.totals(out)[Category.INPUTS] == 24 + 40
+        named = NamedStorages()
+        counter._collect(tensors, named, Category.OPTIMIZER_STATE)
+        assert list(named.storages) == [plain.untyped_storage()._cdata]
+        assert named.totals[Category.OPTIMIZER_STATE] == 40
+        assert CategoryCounter.totals(named.storages) == named.totals
+    named = NamedStorages()
+    counter._collect(iter([other, plain]), named, Category.INPUTS)  # any iterable, first seen first
+    assert list(named.storages) == [other.untyped_storage()._cdata, plain.untyped_storage()._cdata]
+    assert named.totals[Category.INPUTS] == 24 + 40
     assert CategoryCounter.totals({}) == {category: 0 for category in Category}
+
+
+def test_saved_and_input_storages_named_already_keep_their_first_category_and_count_there_only():
+    model, optimizer = _trained_linear()
+    counter = CategoryCounter(torch.device("cpu"), model, [optimizer])
+    batch = torch.randn(4, 16)
+    activation = torch.randn(4, 8)
+    storages = {t.untyped_storage()._cdata: t.untyped_storage() for t in (model.weight, batch, activation)}
+    named = counter.name(inputs={batch.untyped_storage()._cdata: batch.untyped_storage()}, saved=storages)
+    assert named.storages[model.weight.untyped_storage()._cdata][0] is Category.PARAMETERS
+    assert named.storages[batch.untyped_storage()._cdata][0] is Category.INPUTS
+    assert named.totals[Category.PARAMETERS] == (16 * 8 + 8) * 4
+    assert named.totals[Category.INPUTS] == 4 * 16 * 4
+    assert named.totals[Category.ACTIVATIONS] == 4 * 8 * 4  # the weight and the batch are not counted again
+    assert CategoryCounter.totals(named.storages) == named.totals
+    assert counter.classify(saved=storages) == counter.name(saved=storages).storages

@@ -5,6 +5,7 @@ from __future__ import annotations
 import operator
 import weakref
 from collections.abc import Iterable, Sequence
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -40,6 +41,7 @@ class SavedTensorsRecorder:
 
     def __init__(self, device: torch.device) -> None:
         self.device = normalize_device(device)
+        self._on_cpu = self.device.type == "cpu"
         self._saved: dict[int, weakref.ref] = {}
         self._hooks: Any = None
         self.unavailable_reason: str | None = None
@@ -53,7 +55,8 @@ class SavedTensorsRecorder:
 
     def _pack(self, tensor: Tensor) -> Tensor:
         try:
-            if tensor.device == self.device:
+            # `is_cpu` reads a flag where `.device` builds a device object (this runs for every saved tensor).
+            if tensor.is_cpu if self._on_cpu and type(tensor) in PLAIN_TENSORS else tensor.device == self.device:
                 storage = tensor.untyped_storage()
                 key = storage._cdata
                 ref = self._saved.get(key)
@@ -149,7 +152,12 @@ class CategoryCounter:
             self._params = params
         return self._params
 
-    def _collect(self, tensors: Iterable[Tensor], into: dict[int, tuple[Category, torch.UntypedStorage]], category: Category) -> None:
+    def _collect(self, tensors: Iterable[Tensor], into: NamedStorages, category: Category) -> None:
+        """Name the storages of ``tensors`` (this device's only) ``category``, where no earlier category did."""
+        into.add(self._storages_of(tensors), category)
+
+    def _storages_of(self, tensors: Iterable[Tensor]) -> StorageMap:
+        """The distinct storages of ``tensors`` on this device (a wrapper's: its inner tensors'), first seen first."""
         tensors = tensors if type(tensors) is list else list(tensors)
         if self.device.type == "cpu" and set(map(type, tensors)) <= _PLAIN_TYPES and all(map(_IS_CPU, tensors)):
             # The usual case, on every row: plain CPU tensors, read a field at a time at C speed.
@@ -158,10 +166,8 @@ class CategoryCounter:
             except (RuntimeError, NotImplementedError, AttributeError):
                 storages = None  # a sparse or nested tensor among them: one at a time below
             if storages is not None:
-                for key, storage in zip(map(_CDATA, storages), storages):
-                    if key not in into:
-                        into[key] = (category, storage)
-                return
+                return dict(zip(map(_CDATA, storages), storages))
+        out: StorageMap = {}
         device = self.device
         on_cpu = device.type == "cpu"
         for tensor in tensors:
@@ -171,7 +177,8 @@ class CategoryCounter:
                     continue
                 inner = wrapped_tensors(tensor)
                 if inner is not None:  # a DTensor: its memory is its local shard
-                    self._collect(inner, into, category)
+                    for key, storage in self._storages_of(inner).items():
+                        out.setdefault(key, storage)
                     continue
             # `is_cpu` reads a flag where `.device` builds a device object (this runs for every tensor of every row);
             # subclasses (fake tensors) may report a device of their own.
@@ -181,39 +188,74 @@ class CategoryCounter:
             elif tensor.device != device:
                 continue
             found = storage_key(tensor)
-            if found is None:
-                continue
-            key, storage = found
-            if key not in into:
-                into[key] = (category, storage)
+            if found is not None:
+                out.setdefault(found[0], found[1])
+        return out
+
+    def name(self, inputs: StorageMap | None = None, saved: StorageMap | None = None) -> NamedStorages:
+        """Every storage nameable now, and the bytes of each category.
+
+        Args:
+            inputs: The batch's storages, by key (this device's only, as :func:`input_storages` gives them).
+            saved: Storages saved for backward, by key (this device's only, as :class:`SavedTensorsRecorder` keeps
+                them).
+        """
+        named = NamedStorages()
+        params = self.parameters()
+        self._collect(params, named, Category.PARAMETERS)
+        self._collect([grad for grad in map(_GRAD, params) if grad is not None], named, Category.GRADIENTS)
+        for optimizer in self.optimizers:
+            self._collect(optimizer_state_tensors(optimizer), named, Category.OPTIMIZER_STATE)
+        unsharded_params, unsharded_grads = self._unsharded()
+        self._collect(unsharded_params, named, Category.UNSHARDED_PARAMETERS)
+        self._collect(unsharded_grads, named, Category.UNSHARDED_GRADIENTS)
+        if inputs:
+            named.add(inputs, Category.INPUTS)
+        if saved:
+            named.add(saved, Category.ACTIVATIONS)
+        return named
 
     def classify(
         self, inputs: StorageMap | None = None, saved: StorageMap | None = None
     ) -> dict[int, tuple[Category, torch.UntypedStorage]]:
-        """Map storage key -> (category, storage) for everything nameable now."""
-        out: dict[int, tuple[Category, torch.UntypedStorage]] = {}
-        params = self.parameters()
-        self._collect(params, out, Category.PARAMETERS)
-        self._collect([grad for grad in map(_GRAD, params) if grad is not None], out, Category.GRADIENTS)
-        for optimizer in self.optimizers:
-            self._collect(optimizer_state_tensors(optimizer), out, Category.OPTIMIZER_STATE)
-        unsharded_params, unsharded_grads = self._unsharded()
-        self._collect(unsharded_params, out, Category.UNSHARDED_PARAMETERS)
-        self._collect(unsharded_grads, out, Category.UNSHARDED_GRADIENTS)
-        for category, storages in ((Category.INPUTS, inputs), (Category.ACTIVATIONS, saved)):
-            for key, storage in (storages or {}).items():
-                if key not in out and storage.device == self.device:
-                    out[key] = (category, storage)
-        return out
+        """Map storage key -> (category, storage) for everything nameable now (see :meth:`name`)."""
+        return self.name(inputs, saved).storages
 
     @staticmethod
     def totals(classified: dict[int, tuple[Category, torch.UntypedStorage]]) -> dict[Category, int]:
-        totals = {category: 0 for category in Category}
+        totals = dict.fromkeys(Category, 0)
         if classified:
             categories, storages = zip(*classified.values())
             for category, nbytes in zip(categories, map(_NBYTES, storages)):
                 totals[category] += nbytes
         return totals
+
+
+class NamedStorages:
+    """Storages named at one moment: each once, under the first category that named it, and each category's bytes.
+
+    Attributes:
+        storages: Storage key -> (category, storage), in the order they were named.
+        totals: Bytes of the storages of each category.
+    """
+
+    __slots__ = ("storages", "totals")
+
+    def __init__(self) -> None:
+        self.storages: dict[int, tuple[Category, torch.UntypedStorage]] = {}
+        self.totals: dict[Category, int] = dict.fromkeys(Category, 0)
+
+    def add(self, storages: StorageMap, category: Category) -> None:
+        """Name ``storages`` (key -> storage) ``category``, but for those named already."""
+        named = self.storages
+        if named:
+            taken = storages.keys() & named.keys()
+            if taken:
+                storages = {key: storage for key, storage in storages.items() if key not in taken}
+        if storages:
+            # Runs for every storage of every row: whole columns at C speed.
+            named.update(zip(storages.keys(), zip(repeat(category), storages.values())))
+            self.totals[category] += sum(map(_NBYTES, storages.values()))
 
 
 def normalize_device(device: torch.device | str) -> torch.device:

@@ -21,7 +21,7 @@ import operator
 import threading
 import warnings
 from collections import deque
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -32,6 +32,25 @@ from lightning_memtrace.types import Frame
 
 #: (time in Unix nanoseconds, address, signed size: positive for an allocation, negative for a free)
 AllocatorEvent = tuple[int, int, int]
+
+
+class ReportColumns(NamedTuple):
+    """Reports as three columns, oldest first (no tuple per report: there are thousands per training step)."""
+
+    #: Time of each report, in Unix nanoseconds.
+    times: list[int]
+    #: Address of each block.
+    addrs: list[int]
+    #: Signed size of each: positive for an allocation, negative for a free.
+    sizes: list[int]
+
+    @classmethod
+    def of(cls, events: list[AllocatorEvent]) -> ReportColumns:
+        columns = tuple(map(list, zip(*events))) if events else ([], [], [])
+        return cls(*columns)
+
+
+_NO_REPORTS = ReportColumns([], [], [])
 _EXTRA_FIELDS = operator.attrgetter("extra_fields")
 _START_NS = operator.attrgetter("start_time_ns")
 _PTR = operator.attrgetter("ptr")
@@ -160,8 +179,12 @@ class AllocatorReports:
         Raises:
             SessionLost: Another profiler took the session over (it is then no longer active here).
         """
+        return list(zip(*self.drain_columns(reopen)))
+
+    def drain_columns(self, reopen: bool = True) -> ReportColumns:
+        """:meth:`drain`, as columns."""
         if not self.active:
-            return []
+            return _NO_REPORTS
         if not self.owned():
             self._closed()
             raise SessionLost("another profiler took over the profiling session")
@@ -177,7 +200,7 @@ class AllocatorReports:
                 self._closed()
         return self._events(result)
 
-    def _events(self, result: Any) -> list[AllocatorEvent]:
+    def _events(self, result: Any) -> ReportColumns:
         allocation_type = self._session.allocation_type
         tree = result.experimental_event_tree()
         # Reading a field of an event costs a C++ call each: map them at C speed, a field at a time.
@@ -196,7 +219,7 @@ class AllocatorReports:
             order = sorted(range(len(times)), key=times.__getitem__)
             times, sizes, fields = [times[i] for i in order], [sizes[i] for i in order], [fields[i] for i in order]
         self.other_threads = self._other_threads(fields, sizes)
-        return list(zip(times, map(_PTR, fields), sizes))
+        return ReportColumns(times, list(map(_PTR, fields)), sizes)
 
     def _other_threads(self, fields: list[Any], sizes: list[int]) -> list[tuple[int, int]]:
         """Where other threads changed the CPU allocator's total between this thread's reports, and by how much.
@@ -225,10 +248,14 @@ class AllocatorReports:
 
     def stop(self) -> list[AllocatorEvent]:
         """The last reports; closes the session (if it is still this one)."""
+        return list(zip(*self.stop_columns()))
+
+    def stop_columns(self) -> ReportColumns:
+        """:meth:`stop`, as columns."""
         try:
-            return self.drain(reopen=False)
+            return self.drain_columns(reopen=False)
         except SessionLost:
-            return []
+            return _NO_REPORTS
         finally:
             self._closed()  # also where closing broke in C++
 
@@ -297,8 +324,7 @@ class ReportsBackend:
         session, self.session = self.session, None
         self.state.defer_free = None
         if session is not None:
-            events = session.stop()
-            self.apply(events, session.other_threads)
+            self.apply_columns(session.stop_columns(), session.other_threads)
         self._reach_marks(len(self._marks))
 
     def sync(self) -> None:
@@ -312,11 +338,11 @@ class ReportsBackend:
         session = self.session
         assert session is not None
         try:
-            events = session.drain()
+            reports = session.drain_columns()
         except SessionLost:
             # A user's profiler took the thread over: reports were lost meanwhile; resume once it is gone.
             self.session_lost = True
-            events = []
+            reports = _NO_REPORTS
         except Exception:  # the session broke in C++: counters stand as they are; the recorder warns (session_lost)
             self.session_lost = True
             return
@@ -325,7 +351,7 @@ class ReportsBackend:
                 session.start()
             except Exception:  # still not ours to open: try again at the next read
                 pass
-        self.apply(events, session.other_threads)
+        self.apply_columns(reports, session.other_threads)
         self._reach_marks(len(self._marks))
 
     # ----------------------------------------------------------------------------------------------- marks
@@ -377,12 +403,16 @@ class ReportsBackend:
         row.peak = max(state.peak, allocated)
         state.reset_peak()
 
-    def _reached_mark(self, events: list[AllocatorEvent], index: int, allocated: int, peak: int) -> bool:
-        """Whether the block reported at ``events[index]`` is a mark's (allocated and freed at once, and queued): its
-        marks (and those before it that never reached the stream, made on another thread) are reached then, at
+    def _reached_mark(self, reports: ReportColumns, index: int, allocated: int, peak: int) -> bool:
+        """Whether the block reported at ``index`` is a mark's (allocated and freed at once, and queued): its marks
+        (and those before it that never reached the stream, made on another thread) are reached then, at
         ``allocated`` and ``peak`` bytes."""
-        addr = events[index][1]
-        if not self._marks or index + 1 >= len(events) or events[index + 1][1:] != (addr, -MARK_BYTES):
+        addrs = reports.addrs
+        addr = addrs[index]
+        if not self._marks or index + 1 >= len(addrs) or (addrs[index + 1], reports.sizes[index + 1]) != (
+            addr,
+            -MARK_BYTES,
+        ):
             return False
         for position, (mark_addr, _) in enumerate(self._marks):
             if mark_addr == addr:
@@ -395,15 +425,21 @@ class ReportsBackend:
     def apply(self, events: list[AllocatorEvent], other_threads: list[tuple[int, int]] | None = None) -> None:
         """Count the reported allocations and frees, oldest first, and reach the marks among them.
 
-        Runs for every allocation of the training process: the loop keeps to locals (no call per report).
-
         Args:
             events: The reports, oldest first.
             other_threads: ``(index, bytes)``: other threads changed the allocator's total by ``bytes`` just before
                 ``events[index]`` (see :meth:`AllocatorReports._other_threads`).
         """
+        self.apply_columns(ReportColumns.of(events), other_threads)
+
+    def apply_columns(self, reports: ReportColumns, other_threads: list[tuple[int, int]] | None = None) -> None:
+        """:meth:`apply`, for reports as columns.
+
+        Runs for every allocation of the training process: the loop keeps to locals (no call per report).
+        """
         state = self.state
         blocks, live_addrs, history = state.blocks, state.live_addrs, state.events
+        append = history.append
         metadata, stage = state.stream_metadata, state.stream_stage
         with_frames = state.capture_all_frames
         fresh: list[LiveAllocation] = []
@@ -413,12 +449,12 @@ class ReportsBackend:
         next_elsewhere = elsewhere[0][0] if elsewhere else -1
         elsewhere_at = 0
         freed_elsewhere = self._freed_elsewhere
-        for index, (time_ns, addr, size) in enumerate(events):
+        for index, (time_ns, addr, size) in enumerate(zip(*reports)):
             if index == next_elsewhere:
                 allocated -= self._other_threads_changed(elsewhere[elsewhere_at][1], time_ns // 1000, metadata)
                 elsewhere_at += 1
                 next_elsewhere = elsewhere[elsewhere_at][0] if elsewhere_at < len(elsewhere) else -1
-            if size == MARK_BYTES and self._reached_mark(events, index, allocated, peak):
+            if size == MARK_BYTES and self._reached_mark(reports, index, allocated, peak):
                 allocated, peak = state.allocated, state.peak
                 metadata, stage = state.stream_metadata, state.stream_stage
                 mark_free = addr
@@ -433,7 +469,7 @@ class ReportsBackend:
                     # Its free happened where no report reached us (another thread, a lost session): the address
                     # being handed out again proves it.
                     allocated -= self._stale_bytes(stale)
-                    history.append((FREE, now, stale, metadata))
+                    append((FREE, now, stale, metadata))
                 elif freed_elsewhere and addr in freed_elsewhere:
                     del freed_elsewhere[addr]
                 if addr in live_addrs:
@@ -446,12 +482,12 @@ class ReportsBackend:
                 allocated += size
                 if allocated > peak:
                     peak = allocated
-                history.append((ALLOC, now, entry))
+                append((ALLOC, now, entry))
             else:
                 entry = blocks.pop(addr, None)
                 if entry is not None:
                     allocated -= entry.nbytes
-                    history.append((FREE, now, entry, metadata))
+                    append((FREE, now, entry, metadata))
                 elif freed_elsewhere and addr in freed_elsewhere:
                     allocated -= self._freed_here_after_all(addr, now, metadata)
         state.allocated, state.peak = allocated, peak

@@ -10,11 +10,17 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from collections import deque
+from itertools import filterfalse
 from typing import Any, NamedTuple
 
 import torch
 
-from lightning_memtrace.capture.categories import CategoryCounter, SavedTensorsRecorder, input_storages
+from lightning_memtrace.capture.categories import (
+    CategoryCounter,
+    NamedStorages,
+    SavedTensorsRecorder,
+    input_storages,
+)
 from lightning_memtrace.capture.counters import MemoryCounters
 from lightning_memtrace.capture.tracker import AllocationTracker, RowMark
 from lightning_memtrace.types import Category, Phase, PhaseRecord
@@ -64,23 +70,24 @@ def make_record(
     )
 
 
-def row_parts(tracker: AllocationTracker | None, classified: Classified) -> tuple[dict[Category, int], Labels, Foreign]:
+def row_parts(tracker: AllocationTracker | None, named: NamedStorages) -> tuple[dict[Category, int], Labels, Foreign]:
     """Totals by category, and for the tracker the ``(address, category)`` labels and the storages at addresses it does
     not count yet (adopted at the row's mark)."""
-    totals = CategoryCounter.totals(classified)
-    if tracker is None or not classified:
+    totals = dict(named.totals)
+    if tracker is None or not named.storages:
         return totals, [], []
     # Runs for every storage of every row: a field at a time, at C speed.
-    categories, storages = zip(*classified.values())
+    categories, storages = zip(*named.storages.values())
     names = list(map(_CATEGORY_NAMES.__getitem__, categories))
     addrs = list(map(_DATA_PTR, storages))
     labels: Labels = list(zip(addrs, names))
     blocks, live_addrs = tracker.counted_addresses()
-    foreign: Foreign = [
-        (weakref.ref(storage), name)
-        for addr, storage, name in zip(addrs, storages, names)
-        if addr not in blocks and addr not in live_addrs
-    ]
+    uncounted = set(filterfalse(live_addrs.__contains__, filterfalse(blocks.__contains__, addrs)))
+    foreign: Foreign = (
+        [(weakref.ref(storage), name) for addr, storage, name in zip(addrs, storages, names) if addr in uncounted]
+        if uncounted
+        else []
+    )
     return totals, labels, foreign
 
 
@@ -102,7 +109,7 @@ class RowReader:
     #: Rows named and waiting for the report stream to reach their marks, oldest first.
     deferred: deque[RowMark] = dataclasses.field(default_factory=deque, init=False)
     _inputs: dict[int, weakref.ref] = dataclasses.field(default_factory=dict, init=False)
-    _model_states: tuple[Classified, dict[Category, int], Labels, Foreign] | None = dataclasses.field(
+    _model_states: tuple[NamedStorages, dict[Category, int], Labels, Foreign] | None = dataclasses.field(
         default=None, init=False
     )
 
@@ -141,15 +148,11 @@ class RowReader:
     def _validation_parts(self, tracker: AllocationTracker | None) -> tuple[dict[Category, int], Labels, Foreign]:
         first = self._model_states is None
         if self._model_states is None:
-            states = self.categories.classify()
+            states = self.categories.name()
             self._model_states = (states, *row_parts(tracker, states))
         states, state_totals, state_labels, state_foreign = self._model_states
-        device = self.device
-        inputs = {
-            key: (Category.INPUTS, storage)
-            for key, storage in self._live_inputs().items()
-            if key not in states and storage.device == device
-        }
+        inputs = NamedStorages()
+        inputs.add({key: st for key, st in self._live_inputs().items() if key not in states.storages}, Category.INPUTS)
         totals, labels, foreign = row_parts(tracker, inputs)
         for category, nbytes in state_totals.items():
             totals[category] += nbytes
@@ -177,8 +180,8 @@ class RowReader:
         tracker = self.tracker
         assert tracker is not None
         if self.training:
-            classified = self.categories.classify(inputs=self._live_inputs(), saved=self.saved.live_storages())
-            totals, labels, foreign = row_parts(tracker, classified)
+            named = self.categories.name(inputs=self._live_inputs(), saved=self.saved.live_storages())
+            totals, labels, foreign = row_parts(tracker, named)
         else:
             totals, labels, foreign = self._validation_parts(tracker)
         row = RowMark(tracker.stage, tracker.metadata, labels, foreign, (place, totals))
