@@ -49,8 +49,10 @@ class ReportColumns(NamedTuple):
         columns = tuple(map(list, zip(*events))) if events else ([], [], [])
         return cls(*columns)
 
+    @classmethod
+    def none(cls) -> ReportColumns:
+        return cls([], [], [])
 
-_NO_REPORTS = ReportColumns([], [], [])
 _EXTRA_FIELDS = operator.attrgetter("extra_fields")
 _START_NS = operator.attrgetter("start_time_ns")
 _PTR = operator.attrgetter("ptr")
@@ -184,7 +186,7 @@ class AllocatorReports:
     def drain_columns(self, reopen: bool = True) -> ReportColumns:
         """:meth:`drain`, as columns."""
         if not self.active:
-            return _NO_REPORTS
+            return ReportColumns.none()
         if not self.owned():
             self._closed()
             raise SessionLost("another profiler took over the profiling session")
@@ -255,7 +257,7 @@ class AllocatorReports:
         try:
             return self.drain_columns(reopen=False)
         except SessionLost:
-            return _NO_REPORTS
+            return ReportColumns.none()
         finally:
             self._closed()  # also where closing broke in C++
 
@@ -342,7 +344,7 @@ class ReportsBackend:
         except SessionLost:
             # A user's profiler took the thread over: reports were lost meanwhile; resume once it is gone.
             self.session_lost = True
-            reports = _NO_REPORTS
+            reports = ReportColumns.none()
         except Exception:  # the session broke in C++: counters stand as they are; the recorder warns (session_lost)
             self.session_lost = True
             return
@@ -407,12 +409,9 @@ class ReportsBackend:
         """Whether the block reported at ``index`` is a mark's (allocated and freed at once, and queued): its marks
         (and those before it that never reached the stream, made on another thread) are reached then, at
         ``allocated`` and ``peak`` bytes."""
-        addrs = reports.addrs
+        addrs, sizes = reports.addrs, reports.sizes
         addr = addrs[index]
-        if not self._marks or index + 1 >= len(addrs) or (addrs[index + 1], reports.sizes[index + 1]) != (
-            addr,
-            -MARK_BYTES,
-        ):
+        if not self._marks or index + 1 >= len(addrs) or addrs[index + 1] != addr or sizes[index + 1] != -MARK_BYTES:
             return False
         for position, (mark_addr, _) in enumerate(self._marks):
             if mark_addr == addr:
