@@ -75,7 +75,19 @@ def test_csv_rows_and_byte_columns(lm_run):
     assert list(phases.phase[: len(PHASES)]) == PHASES
     assert sorted(phases.step.unique()) == list(range(STEPS))
     byte_columns = [c for c in phases.columns if c.endswith("_bytes")]
-    assert len(byte_columns) == 9
+    assert byte_columns == [
+        "allocated_bytes",
+        "reserved_bytes",
+        "peak_bytes",
+        "parameters_bytes",
+        "gradients_bytes",
+        "optimizer_state_bytes",
+        "activations_bytes",
+        "inputs_bytes",
+        "other_bytes",
+        "unsharded_parameters_bytes",  # FSDP2's gathered parameters and gradients: 0 on an unsharded run
+        "unsharded_gradients_bytes",
+    ]
     assert all(str(phases[c].dtype) == "int64" for c in byte_columns)
 
     params = list(module.parameters())
@@ -91,6 +103,7 @@ def test_csv_rows_and_byte_columns(lm_run):
     assert (phases.inputs_bytes == 4 * 64 * 8).all()  # int64 input_ids, batch 4 x 64
     assert (phases[phases.phase == "after_forward"].activations_bytes > 1_000_000).all()
     assert (phases[phases.phase != "after_forward"].activations_bytes == 0).all()
+    assert (phases.unsharded_parameters_bytes == 0).all() and (phases.unsharded_gradients_bytes == 0).all()
     categories = phases[
         ["parameters_bytes", "gradients_bytes", "optimizer_state_bytes", "activations_bytes", "inputs_bytes"]
     ].sum(axis=1)
