@@ -45,7 +45,8 @@ SMOKE = "compat/test_smoke.py"
 
 LIGHTNING_NEWEST = "2.6.6"
 TRANSFORMERS_4 = "4.57.6"  # newest 4.x
-TRANSFORMERS_5 = "5.24.0"  # newest 5.x that installs (5.25.0 needs kernels>=0.19.1, not on PyPI); needs torch >= 2.6
+TRANSFORMERS_5 = "5.24.0"  # the 5.x of the torch rows (5.x needs torch >= 2.6)
+#: Newest 5.x, in a combination of its own (it needs kernels>=0.19.1, which PyPI lacked until December 2026).
 TRANSFORMERS_5_NEWEST = "5.25.0"
 #: Newest patch of every torch minor from 2.4; 2.13.0 as the CPU build.
 TORCHES = ["2.14.1", "2.13.0+cpu", "2.12.1", "2.11.0", "2.10.0", "2.9.1", "2.8.0", "2.7.1", "2.6.0", "2.5.1", "2.4.1"]
