@@ -20,7 +20,7 @@ def _trained_linear() -> tuple[nn.Linear, torch.optim.Optimizer]:
 def test_model_states_are_named_once_each_with_their_bytes():
     model, optimizer = _trained_linear()
     counter = CategoryCounter(torch.device("cpu"), model, [optimizer])
-    totals = CategoryCounter.totals(counter.classify())
+    totals = counter.name().totals
     assert totals[Category.PARAMETERS] == (16 * 8 + 8) * 4
     assert totals[Category.GRADIENTS] == (16 * 8 + 8) * 4
     # AdamW: exp_avg and exp_avg_sq per parameter (fp32) and a float32 step scalar each
@@ -33,9 +33,9 @@ def test_a_storage_held_twice_counts_once_under_the_first_category():
     counter = CategoryCounter(torch.device("cpu"), model, [optimizer])
     # the optimizer's state also points at the weight (a view of it): still a parameter, counted once
     optimizer.state[model.weight]["alias"] = model.weight.detach()[:2]
-    classified = counter.classify()
-    assert classified[model.weight.untyped_storage()._cdata][0] is Category.PARAMETERS
-    assert CategoryCounter.totals(classified)[Category.OPTIMIZER_STATE] == 2 * (16 * 8 + 8) * 4 + 2 * 4
+    named = counter.name()
+    assert named.storages[model.weight.untyped_storage()._cdata][0] is Category.PARAMETERS
+    assert named.totals[Category.OPTIMIZER_STATE] == 2 * (16 * 8 + 8) * 4 + 2 * 4
 
 
 def test_tensors_without_a_plain_storage_are_skipped_and_the_rest_still_named():
@@ -48,13 +48,12 @@ def test_tensors_without_a_plain_storage_are_skipped_and_the_rest_still_named():
         named = NamedStorages()
         counter._collect(tensors, named, Category.OPTIMIZER_STATE)
         assert list(named.storages) == [plain.untyped_storage()._cdata]
-        assert named.totals[Category.OPTIMIZER_STATE] == 40
-        assert CategoryCounter.totals(named.storages) == named.totals
+        assert named.totals == {**dict.fromkeys(Category, 0), Category.OPTIMIZER_STATE: 40}
     named = NamedStorages()
     counter._collect(iter([other, plain]), named, Category.INPUTS)  # any iterable, first seen first
     assert list(named.storages) == [other.untyped_storage()._cdata, plain.untyped_storage()._cdata]
     assert named.totals[Category.INPUTS] == 24 + 40
-    assert CategoryCounter.totals({}) == {category: 0 for category in Category}
+    assert NamedStorages().totals == {category: 0 for category in Category}
 
 
 def test_saved_and_input_storages_named_already_keep_their_first_category_and_count_there_only():
@@ -69,5 +68,9 @@ def test_saved_and_input_storages_named_already_keep_their_first_category_and_co
     assert named.totals[Category.PARAMETERS] == (16 * 8 + 8) * 4
     assert named.totals[Category.INPUTS] == 4 * 16 * 4
     assert named.totals[Category.ACTIVATIONS] == 4 * 8 * 4  # the weight and the batch are not counted again
-    assert CategoryCounter.totals(named.storages) == named.totals
-    assert counter.classify(saved=storages) == counter.name(saved=storages).storages
+    # each category's bytes are those of the storages named under it, each storage once
+    for category in Category:
+        named_here = [st for cat, st in named.storages.values() if cat is category]
+        assert named.totals[category] == sum(st.nbytes() for st in named_here)
+    # weight and bias, their grads, AdamW's exp_avg, exp_avg_sq and step for each, the batch, the activation
+    assert len(named.storages) == 2 + 2 + 3 * 2 + 1 + 1

@@ -215,21 +215,6 @@ class CategoryCounter:
             named.add(saved, Category.ACTIVATIONS)
         return named
 
-    def classify(
-        self, inputs: StorageMap | None = None, saved: StorageMap | None = None
-    ) -> dict[int, tuple[Category, torch.UntypedStorage]]:
-        """Map storage key -> (category, storage) for everything nameable now (see :meth:`name`)."""
-        return self.name(inputs, saved).storages
-
-    @staticmethod
-    def totals(classified: dict[int, tuple[Category, torch.UntypedStorage]]) -> dict[Category, int]:
-        totals = dict.fromkeys(Category, 0)
-        if classified:
-            categories, storages = zip(*classified.values())
-            for category, nbytes in zip(categories, map(_NBYTES, storages)):
-                totals[category] += nbytes
-        return totals
-
 
 class NamedStorages:
     """Storages named at one moment: each once, under the first category that named it, and each category's bytes.

@@ -15,10 +15,9 @@ from lightning_memtrace.analysis.postmortem import (
     largest_blocks_from_snapshot,
     render_post_mortem,
 )
-from lightning_memtrace.capture.categories import CategoryCounter
+from lightning_memtrace.capture.categories import NamedStorages
 from lightning_memtrace.capture.oom_errors import requested_bytes_from_message
 from lightning_memtrace.capture.outputs import RecorderFiles
-from lightning_memtrace.capture.rows import Classified
 from lightning_memtrace.capture.tracker import AllocationTracker, OutOfMemoryEvent
 from lightning_memtrace.capture.window import HistoryWindow, cuda_allocated, cuda_reserved
 from lightning_memtrace.files import oom_basename
@@ -47,7 +46,7 @@ class OomCapture:
     tracker: AllocationTracker | None
     files: RecorderFiles
     window: HistoryWindow
-    classify: Callable[[], Classified]
+    classify: Callable[[], NamedStorages]
     sync: Callable[[], None]
     where: Callable[[], tuple[int, int, int, str]]
     _state: dict[str, Any] | None = dataclasses.field(default=None, init=False)
@@ -62,7 +61,7 @@ class OomCapture:
     def capture(self, requested: int | None, frames: list, device_free: int | None = None) -> None:
         """Keep the state now (called where the allocation failed, before the stack unwinds)."""
         self.sync()
-        totals = {c.value: v for c, v in CategoryCounter.totals(self.classify()).items()}
+        totals = {c.value: v for c, v in self.classify().totals.items()}
         if self.tracker is not None:
             allocated = reserved = self.tracker.counters()[0]
             largest = self._live_blocks()

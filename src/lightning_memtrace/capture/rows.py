@@ -27,7 +27,6 @@ from lightning_memtrace.types import Category, Phase, PhaseRecord
 
 _CATEGORY_NAMES = {category: category.value for category in Category}
 _DATA_PTR = torch.UntypedStorage.data_ptr
-Classified = dict[int, tuple[Category, torch.UntypedStorage]]
 Labels = list[tuple[int, str]]
 Foreign = list[tuple[weakref.ref, str]]
 
@@ -136,14 +135,14 @@ class RowReader:
                 out[key] = storage
         return out
 
-    def classify(self) -> Classified:
-        """Every storage nameable now, by key; the tracker counts those it did not see made and tags all of them."""
-        classified = self.categories.classify(
+    def classify(self) -> NamedStorages:
+        """Every storage nameable now; the tracker counts those it did not see made and tags all of them."""
+        named = self.categories.name(
             inputs=self._live_inputs(), saved=self.saved.live_storages() if self.training else None
         )
         if self.tracker is not None:
-            self.tracker.label(classified)
-        return classified
+            self.tracker.label(named.storages)
+        return named
 
     def _validation_parts(self, tracker: AllocationTracker | None) -> tuple[dict[Category, int], Labels, Foreign]:
         first = self._model_states is None
@@ -164,7 +163,7 @@ class RowReader:
     def read(self, place: RowPlace) -> PhaseRecord:
         """The row now (with a tracker: as far as the reports taken in so far go)."""
         if self.training or self.tracker is not None:
-            totals = CategoryCounter.totals(self.classify())
+            totals = self.classify().totals
             if not self.training:
                 totals[Category.ACTIVATIONS] = 0
         else:

@@ -12,10 +12,9 @@ from typing import Any
 import torch
 
 from lightning_memtrace.capture import cuda_history
-from lightning_memtrace.capture.categories import CategoryCounter
+from lightning_memtrace.capture.categories import NamedStorages
 from lightning_memtrace.capture.config import RecorderConfig
 from lightning_memtrace.capture.outputs import RecorderFiles
-from lightning_memtrace.capture.rows import Classified
 from lightning_memtrace.capture.tracker import AllocationTracker
 from lightning_memtrace.files import step_snapshot_filename, window_snapshot_filename
 from lightning_memtrace.schema import HEADER_KEY, build_header
@@ -106,7 +105,7 @@ class HistoryWindow:
     rank: int
     tracker: AllocationTracker | None
     files: RecorderFiles
-    classify: Callable[[], Classified]
+    classify: Callable[[], NamedStorages]
     sync: Callable[[], None]
     warn: Callable[[str, str], None]
     run_id: str = ""
@@ -202,7 +201,7 @@ class HistoryWindow:
     def header(self, first: int, last: int, since_us: int) -> dict[str, Any]:
         """MemTrace's part of a snapshot (``snapshot["memtrace"]``)."""
         self.sync()
-        classified = self.classify()
+        totals = self.classify().totals
         tracker = self.tracker
         return build_header(
             device=str(self.device),
@@ -210,7 +209,7 @@ class HistoryWindow:
             steps=(first, last),
             allocated_bytes=tracker.counters()[0] if tracker is not None else cuda_allocated(self.device),
             allocated_at_start_bytes=self._start_allocated if tracker is not None else None,
-            categories={c.value: v for c, v in CategoryCounter.totals(classified).items()},
+            categories={c.value: v for c, v in totals.items()},
             phases=[
                 {"step": step, "phase": phase, "time_us": t} for step, phase, t in self.phase_marks if t >= since_us
             ],
