@@ -40,6 +40,7 @@ test-gpu: $(STAMP)
 
 benchmark: $(STAMP)
 	$(VPY) benchmarks/overhead.py
+	$(VPY) benchmarks/overhead_breakdown.py
 
 clean:
 	rm -rf $(VENV) memtrace_demo build dist

@@ -114,8 +114,8 @@ def profiler_ctx(module):
     return torch.profiler.profile(profile_memory=True, record_shapes=True, with_stack=True)
 
 
-def run(variant: str, args, root: str) -> list[float]:
-    callbacks: list[pl.Callback] = []
+def run(variant: str, args, root: str, extra_callbacks: tuple[pl.Callback, ...] = ()) -> list[float]:
+    callbacks: list[pl.Callback] = [*extra_callbacks]
     wrap = None
     if variant == "memtrace_counters":
         callbacks.append(MemTrace(track_allocations=False, history=False, report=False))

@@ -1,0 +1,218 @@
+"""Where MemTrace's step time goes on CPU with the defaults: each part per step, beside the plain step, in one run.
+
+Usage: python benchmarks/overhead_breakdown.py [--rounds 3] [--steps 30] [--threads 1,2]
+
+Runs the tiny Qwen2 of ``benchmarks/overhead.py`` (batch 4 x 128, AdamW), plain and with ``MemTrace()``, alternating
+round by round, each run in a process of its own. In the MemTrace run every part below is timed in the process (wall
+time, after the warm-up steps) and printed in ms per step and as a share of the plain step:
+
+- close: torch closing the allocator-reports session (C++, about 1 µs per report)
+- read: reading the reports into Python (one event object, its fields object and three fields per report)
+- count: counting them (allocated, peak, the marks where rows were taken, the history)
+- reopen: opening the next session
+- rows: naming the rows' storages (parameters, gradients, optimizer state, inputs, saved activations)
+- gc: Python's garbage collections during the steps (inside MemTrace's hooks or not)
+- other hooks: the rest of MemTrace's hooks (stages, marks, CSV lines)
+- in the step: what is left of the difference between the two step times: the session's recording of every
+  allocation inside torch's operators, and the caches MemTrace's work leaves cold for the next step's compute
+
+``close + read`` is the floor of reading every report exactly, whatever MemTrace does with the reports; the line
+"floor" prints it as a ratio to the plain step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import json
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from collections import Counter
+from pathlib import Path
+from tempfile import TemporaryDirectory
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import overhead  # noqa: E402  (benchmarks/overhead.py: the same model, data and Trainer)
+
+import lightning.pytorch as pl  # noqa: E402
+from lightning_memtrace.capture import recorder, reports_backend, rows, torch_private  # noqa: E402
+
+#: (owner, method, part): the calls timed, each counted in its part.
+_TIMED = (
+    (torch_private.MemoryOnlySession, "disable", "close"),
+    (reports_backend.AllocatorReports, "_events", "read"),
+    (reports_backend.ReportsBackend, "apply_columns", "count"),
+    (reports_backend.AllocatorReports, "_open", "reopen"),
+    (rows.RowReader, "defer", "rows"),
+    (rows.RowReader, "read", "rows"),
+)
+#: MemTrace's entry points from its hooks (a call inside another one is not counted twice).
+_HOOKS = ("begin_batch", "mark_forward_done", "mark_backward_done", "_after_optimizer_step", "end_batch")
+PARTS = ("close", "read", "count", "reopen", "rows", "gc", "other hooks", "in the step")
+
+
+class _Parts:
+    """Wall time per part, from the first step after the warm-up on."""
+
+    def __init__(self) -> None:
+        self.seconds: Counter[str] = Counter()
+        self.reports = 0
+        self.armed = False
+        self._depth = 0
+        self._gc_start = 0.0
+
+    def wrap(self, owner: Any, name: str, part: str) -> None:
+        method = getattr(owner, name)
+
+        @functools.wraps(method)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if not self.armed:
+                return method(*args, **kwargs)
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.seconds[part] += time.perf_counter() - start
+
+        setattr(owner, name, timed)
+
+    def wrap_hook(self, name: str) -> None:
+        method = getattr(recorder.MemoryRecorder, name)
+
+        @functools.wraps(method)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if not self.armed or self._depth:
+                return method(*args, **kwargs)
+            self._depth += 1
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self._depth -= 1
+                self.seconds["hooks"] += time.perf_counter() - start
+
+        setattr(recorder.MemoryRecorder, name, timed)
+
+    def count_reports(self) -> None:
+        apply_columns = reports_backend.ReportsBackend.apply_columns
+
+        def counted(backend: Any, reports: Any, *args: Any, **kwargs: Any) -> Any:
+            if self.armed:
+                self.reports += len(reports.times)
+            return apply_columns(backend, reports, *args, **kwargs)
+
+        reports_backend.ReportsBackend.apply_columns = counted  # type: ignore[method-assign]
+
+    def on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if not self.armed:
+            return
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            seconds = time.perf_counter() - self._gc_start
+            self.seconds["gc"] += seconds
+            if self._depth:
+                self.seconds["gc in hooks"] += seconds
+
+
+class _Arm(pl.Callback):
+    def __init__(self, parts: _Parts, warmup: int) -> None:
+        self.parts, self.warmup = parts, warmup
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx == self.warmup:
+            self.parts.armed = True
+
+
+def child(variant: str, args: argparse.Namespace) -> dict[str, Any]:
+    parts = _Parts()
+    if variant == "memtrace":
+        parts.count_reports()
+        for owner, name, part in _TIMED:
+            parts.wrap(owner, name, part)
+        for name in _HOOKS:
+            parts.wrap_hook(name)
+    gc.callbacks.append(parts.on_gc)
+    with TemporaryDirectory() as root:
+        times = overhead.run(variant, args, root, extra_callbacks=(_Arm(parts, args.warmup),))
+    steps = max(1, len(times))
+    seconds = {part: total / steps for part, total in parts.seconds.items()}
+    return {"times": times, "seconds": seconds, "reports": parts.reports / steps}
+
+
+def run_isolated(variant: str, threads: int, args: argparse.Namespace) -> dict[str, Any] | None:
+    command = [
+        sys.executable, __file__, "--child", variant, "--threads", str(threads), "--steps", str(args.steps),
+        "--warmup", str(args.warmup),
+    ]
+    result = subprocess.run(command, capture_output=True, text=True)
+    lines = result.stdout.strip().splitlines()
+    if result.returncode != 0 or not lines:
+        reason = (result.stderr.strip().splitlines() or ["no output"])[-1]
+        print(f"{variant}: failed ({reason})", file=sys.stderr)
+        return None
+    return json.loads(lines[-1])
+
+
+def report(plain: list[dict[str, Any]], traced: list[dict[str, Any]], threads: int, args: argparse.Namespace) -> None:
+    plain_step = statistics.median(t for run in plain for t in run["times"])
+    traced_step = statistics.median(t for run in traced for t in run["times"])
+    per_step = {key: statistics.median(run["seconds"].get(key, 0.0) for run in traced) for key in traced[0]["seconds"]}
+    parts = {key: per_step.get(key, 0.0) for key in ("close", "read", "count", "reopen", "rows", "gc")}
+    hooks, gc_in_hooks = per_step.get("hooks", 0.0), per_step.get("gc in hooks", 0.0)
+    parts["other hooks"] = max(0.0, hooks - gc_in_hooks - sum(parts[k] for k in PARTS[:5]))
+    parts["in the step"] = traced_step - plain_step - hooks - (parts["gc"] - gc_in_hooks)
+    reports = statistics.median(run["reports"] for run in traced)
+    print(
+        f"device=cpu torch={torch.__version__} threads={threads} rounds={args.rounds} "
+        f"steps/round={args.steps - args.warmup} batch={args.batch_size}x{args.seq_len} reports/step={reports:,.0f}"
+    )
+    print(f"{'':<14}{'ms/step':>10}{'of plain':>10}")
+    print(f"{'plain step':<14}{plain_step * 1e3:>10.2f}{1:>10.3f}")
+    print(f"{'defaults step':<14}{traced_step * 1e3:>10.2f}{traced_step / plain_step:>10.3f}")
+    for key in PARTS:
+        print(f"{key:<14}{parts[key] * 1e3:>10.2f}{parts[key] / plain_step:>10.1%}")
+    floor = parts["close"] + parts["read"]
+    print(f"{'floor':<14}{floor * 1e3:>10.2f}{1 + floor / plain_step:>10.3f}  (close + read, as a ratio)", flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.batch_size, args.seq_len = 4, 128
+    warnings.filterwarnings("ignore")
+    import logging
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    if args.child:
+        torch.set_num_threads(int(args.threads) or torch.get_num_threads())
+        print(json.dumps(child(args.child, args)))
+        return 0
+    for threads in [int(t) for t in args.threads.split(",")]:
+        plain, traced = [], []
+        for _ in range(args.rounds):
+            for variant, runs in (("plain", plain), ("memtrace", traced)):
+                result = run_isolated(variant, threads, args)
+                if result is not None:
+                    runs.append(result)
+        if not plain or not traced:
+            print(f"threads={threads}: a run failed", file=sys.stderr)
+            return 1
+        report(plain, traced, threads, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
