@@ -30,6 +30,8 @@ _GRAD = operator.attrgetter("grad")
 _CDATA = operator.attrgetter("_cdata")
 _UNTYPED_STORAGE = Tensor.untyped_storage
 _NBYTES = torch.UntypedStorage.nbytes
+#: Every category, in order (iterating the enum class itself runs a generator on every row).
+_CATEGORIES = tuple(Category)
 
 
 class SavedTensorsRecorder:
@@ -228,7 +230,7 @@ class NamedStorages:
 
     def __init__(self) -> None:
         self.storages: dict[int, tuple[Category, torch.UntypedStorage]] = {}
-        self.totals: dict[Category, int] = dict.fromkeys(Category, 0)
+        self.totals: dict[Category, int] = dict.fromkeys(_CATEGORIES, 0)
 
     def add(self, storages: StorageMap, category: Category) -> None:
         """Name ``storages`` (key -> storage) ``category``, but for those named already."""
