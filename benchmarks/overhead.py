@@ -31,6 +31,7 @@ import time
 import warnings
 from pathlib import Path
 from tempfile import TemporaryDirectory
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -197,18 +198,24 @@ def main() -> int:
 def run_isolated(variant: str, threads: int, args) -> list[float]:
     """One run of ``variant`` in a process of its own: what a run leaves behind (a reference tool's profiler state, a
     fragmented heap) must not slow the runs after it."""
+    times = run_child(__file__, variant, threads, args)
+    return times if times is not None else []
+
+
+def run_child(script: str, variant: str, threads: int, args) -> Any:
+    """Run ``script --child variant`` with ``args``' sizes in a process of its own and return the JSON it prints last;
+    None where it fails (the reason goes to stderr: a reference tool that does not run here)."""
     command = [
-        sys.executable, __file__, "--child", variant, "--threads", str(threads), "--steps", str(args.steps),
+        sys.executable, script, "--child", variant, "--threads", str(threads), "--steps", str(args.steps),
         "--warmup", str(args.warmup), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
     ]
     result = subprocess.run(command, capture_output=True, text=True)
     lines = result.stdout.strip().splitlines()
     if result.returncode != 0 or not lines:
         reason = (result.stderr.strip().splitlines() or ["no output"])[-1]
-        print(f"{variant}: failed ({reason})", file=sys.stderr)  # a reference tool that does not run here
-        return []
+        print(f"{variant}: failed ({reason})", file=sys.stderr)
+        return None
     return json.loads(lines[-1])
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,10 +1,11 @@
 """Where MemTrace's step time goes on CPU with the defaults: each part per step, beside the plain step, in one run.
 
-Usage: python benchmarks/overhead_breakdown.py [--rounds 3] [--steps 30] [--threads 1,2]
+Usage: python benchmarks/overhead_breakdown.py [--rounds 3] [--steps 30] [--threads 1,2] [--batch-size 4]
+       [--seq-len 128]
 
-Runs the tiny Qwen2 of ``benchmarks/overhead.py`` (batch 4 x 128, AdamW), plain and with ``MemTrace()``, alternating
-round by round, each run in a process of its own. In the MemTrace run every part below is timed in the process (wall
-time, after the warm-up steps) and printed in ms per step and as a share of the plain step:
+Runs the tiny Qwen2 of ``benchmarks/overhead.py`` (AdamW, batch 4 x 128 by default), plain and with ``MemTrace()``,
+alternating round by round, each run in a process of its own. In the MemTrace run every part below is timed in the
+process (wall time, after the warm-up steps) and printed in ms per step and as a share of the plain step:
 
 - close: torch closing the allocator-reports session (C++, about 1 µs per report)
 - read: reading the reports into Python (one event object, its fields object and three fields per report)
@@ -27,7 +28,6 @@ import functools
 import gc
 import json
 import statistics
-import subprocess
 import sys
 import time
 import warnings
@@ -147,20 +147,6 @@ def child(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     return {"times": times, "seconds": seconds, "reports": parts.reports / steps}
 
 
-def run_isolated(variant: str, threads: int, args: argparse.Namespace) -> dict[str, Any] | None:
-    command = [
-        sys.executable, __file__, "--child", variant, "--threads", str(threads), "--steps", str(args.steps),
-        "--warmup", str(args.warmup),
-    ]
-    result = subprocess.run(command, capture_output=True, text=True)
-    lines = result.stdout.strip().splitlines()
-    if result.returncode != 0 or not lines:
-        reason = (result.stderr.strip().splitlines() or ["no output"])[-1]
-        print(f"{variant}: failed ({reason})", file=sys.stderr)
-        return None
-    return json.loads(lines[-1])
-
-
 def report(plain: list[dict[str, Any]], traced: list[dict[str, Any]], threads: int, args: argparse.Namespace) -> None:
     plain_step = statistics.median(t for run in plain for t in run["times"])
     traced_step = statistics.median(t for run in traced for t in run["times"])
@@ -188,10 +174,11 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    args.batch_size, args.seq_len = 4, 128
     warnings.filterwarnings("ignore")
     import logging
 
@@ -204,7 +191,7 @@ def main() -> int:
         plain, traced = [], []
         for _ in range(args.rounds):
             for variant, runs in (("plain", plain), ("memtrace", traced)):
-                result = run_isolated(variant, threads, args)
+                result = overhead.run_child(__file__, variant, threads, args)
                 if result is not None:
                     runs.append(result)
         if not plain or not traced:
