@@ -3,8 +3,9 @@
 Usage: python benchmarks/overhead_breakdown.py [--rounds 3] [--steps 30] [--threads 1,2] [--batch-size 4]
        [--seq-len 128]
 
-Runs the tiny Qwen2 of ``benchmarks/overhead.py`` (AdamW, batch 4 x 128 by default), plain and with ``MemTrace()``,
-alternating round by round, each run in a process of its own. In the MemTrace run every part below is timed in the
+Runs the tiny Qwen2 of ``benchmarks/overhead.py`` (AdamW, batch 4 x 128 by default) plain, plain with MemTrace's
+session open (see "in the step" below) and with ``MemTrace()``, alternating round by round, each run in a process of
+its own. In the MemTrace run every part below is timed in the
 process (wall time, after the warm-up steps) and printed in ms per step and as a share of the plain step:
 
 - close: torch closing the allocator-reports session (C++, about 1 µs per report)
@@ -14,8 +15,11 @@ process (wall time, after the warm-up steps) and printed in ms per step and as a
 - rows: naming the rows' storages (parameters, gradients, optimizer state, inputs, saved activations)
 - gc: Python's garbage collections during the steps (inside MemTrace's hooks or not)
 - other hooks: the rest of MemTrace's hooks (stages, marks, CSV lines)
-- in the step: what is left of the difference between the two step times: the session's recording of every
-  allocation inside torch's operators, and the caches MemTrace's work leaves cold for the next step's compute
+- in the step: what is left of the difference between the two step times. The session's recording inside torch's
+  operators is not it: the line "session step" is the plain run with the session open all along and nothing read
+  (no MemTrace), within noise of the plain step. The line "page faults" shows what is: heap pages that the C library
+  hands back to the system when MemTrace frees what it read (a free of 64 KiB or more, or one that joins free
+  neighbours to that size, trims a large free top of the heap) and the next step faults in again, in the kernel
 
 ``close + read`` is the floor of reading every report exactly, whatever MemTrace does with the reports; the line
 "floor" prints it as a ratio to the plain step.
@@ -27,6 +31,7 @@ import argparse
 import functools
 import gc
 import json
+import resource
 import statistics
 import sys
 import time
@@ -43,6 +48,7 @@ import overhead  # noqa: E402  (benchmarks/overhead.py: the same model, data and
 
 import lightning.pytorch as pl  # noqa: E402
 from lightning_memtrace.capture import recorder, reports_backend, rows, torch_private  # noqa: E402
+from lightning_memtrace.capture.reports_backend import AllocatorReports, track_every_cpu_block  # noqa: E402
 
 #: (owner, method, part): the calls timed, each counted in its part.
 _TIMED = (
@@ -67,6 +73,8 @@ class _Parts:
         self.armed = False
         self._depth = 0
         self._gc_start = 0.0
+        #: Minor page faults of the process from the first step after the warm-up to the end of training.
+        self.faults = 0
 
     def wrap(self, owner: Any, name: str, part: str) -> None:
         method = getattr(owner, name)
@@ -110,6 +118,9 @@ class _Parts:
 
         reports_backend.ReportsBackend.apply_columns = counted  # type: ignore[method-assign]
 
+    def page_faults(self) -> int:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
     def on_gc(self, phase: str, info: dict[str, int]) -> None:
         if not self.armed:
             return
@@ -129,10 +140,35 @@ class _Arm(pl.Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if batch_idx == self.warmup:
             self.parts.armed = True
+            self.parts.faults = -self.parts.page_faults()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        if self.parts.armed:
+            self.parts.faults += self.parts.page_faults()
+
+
+class _OpenSession(pl.Callback):
+    """MemTrace's allocator-reports session, open from the start of training to its end and never read (no MemTrace):
+    what recording the reports costs inside torch's operators."""
+
+    def __init__(self) -> None:
+        self.session: AllocatorReports | None = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        track_every_cpu_block()  # as MemTrace() does when it is made
+        self.session = AllocatorReports(other_threads_blocks=False)
+        self.session.start()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        if self.session is not None:
+            self.session.stop()
 
 
 def child(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     parts = _Parts()
+    extra: tuple[pl.Callback, ...] = (_Arm(parts, args.warmup),)
+    if variant == "session":
+        variant, extra = "plain", (*extra, _OpenSession())
     if variant == "memtrace":
         parts.count_reports()
         for owner, name, part in _TIMED:
@@ -141,14 +177,21 @@ def child(variant: str, args: argparse.Namespace) -> dict[str, Any]:
             parts.wrap_hook(name)
     gc.callbacks.append(parts.on_gc)
     with TemporaryDirectory() as root:
-        times = overhead.run(variant, args, root, extra_callbacks=(_Arm(parts, args.warmup),))
+        times = overhead.run(variant, args, root, extra_callbacks=extra)
     steps = max(1, len(times))
     seconds = {part: total / steps for part, total in parts.seconds.items()}
-    return {"times": times, "seconds": seconds, "reports": parts.reports / steps}
+    return {"times": times, "seconds": seconds, "reports": parts.reports / steps, "faults": parts.faults / steps}
 
 
-def report(plain: list[dict[str, Any]], traced: list[dict[str, Any]], threads: int, args: argparse.Namespace) -> None:
+def report(
+    plain: list[dict[str, Any]],
+    session: list[dict[str, Any]],
+    traced: list[dict[str, Any]],
+    threads: int,
+    args: argparse.Namespace,
+) -> None:
     plain_step = statistics.median(t for run in plain for t in run["times"])
+    session_step = statistics.median(t for run in session for t in run["times"])
     traced_step = statistics.median(t for run in traced for t in run["times"])
     per_step = {key: statistics.median(run["seconds"].get(key, 0.0) for run in traced) for key in traced[0]["seconds"]}
     parts = {key: per_step.get(key, 0.0) for key in ("close", "read", "count", "reopen", "rows", "gc")}
@@ -162,11 +205,16 @@ def report(plain: list[dict[str, Any]], traced: list[dict[str, Any]], threads: i
     )
     print(f"{'':<14}{'ms/step':>10}{'of plain':>10}")
     print(f"{'plain step':<14}{plain_step * 1e3:>10.2f}{1:>10.3f}")
+    print(f"{'session step':<14}{session_step * 1e3:>10.2f}{session_step / plain_step:>10.3f}")
     print(f"{'defaults step':<14}{traced_step * 1e3:>10.2f}{traced_step / plain_step:>10.3f}")
     for key in PARTS:
         print(f"{key:<14}{parts[key] * 1e3:>10.2f}{parts[key] / plain_step:>10.1%}")
     floor = parts["close"] + parts["read"]
-    print(f"{'floor':<14}{floor * 1e3:>10.2f}{1 + floor / plain_step:>10.3f}  (close + read, as a ratio)", flush=True)
+    print(f"{'floor':<14}{floor * 1e3:>10.2f}{1 + floor / plain_step:>10.3f}  (close + read, as a ratio)")
+    plain_faults = statistics.median(run["faults"] for run in plain)
+    traced_faults = statistics.median(run["faults"] for run in traced)
+    print(f"{'page faults':<14}{plain_faults:>10,.0f}{traced_faults:>10,.0f}  (minor, per step: plain, defaults)",
+          flush=True)
 
 
 def main() -> int:
@@ -188,16 +236,16 @@ def main() -> int:
         print(json.dumps(child(args.child, args)))
         return 0
     for threads in [int(t) for t in args.threads.split(",")]:
-        plain, traced = [], []
+        runs: dict[str, list[dict[str, Any]]] = {"plain": [], "session": [], "memtrace": []}
         for _ in range(args.rounds):
-            for variant, runs in (("plain", plain), ("memtrace", traced)):
+            for variant, results in runs.items():
                 result = overhead.run_child(__file__, variant, threads, args)
                 if result is not None:
-                    runs.append(result)
-        if not plain or not traced:
+                    results.append(result)
+        if not all(runs.values()):
             print(f"threads={threads}: a run failed", file=sys.stderr)
             return 1
-        report(plain, traced, threads, args)
+        report(runs["plain"], runs["session"], runs["memtrace"], threads, args)
     return 0
 
 

@@ -28,8 +28,10 @@ def test_overhead_breakdown_times_every_part():
         match = re.match(r"(\D+?)\s+(-?[\d.]+)\s+(-?[\d.]+)%?", line)
         if match:
             values[match.group(1).strip()] = float(match.group(2))
-    assert set(PARTS) | {"plain step", "defaults step", "floor"} <= set(values)
+    assert set(PARTS) | {"plain step", "session step", "defaults step", "floor"} <= set(values)
     # Each timed part was reached (a wrapper around a renamed method would time nothing).
     for part in ("close", "read", "count", "reopen", "rows"):
         assert values[part] > 0, part
     assert abs(values["floor"] - values["close"] - values["read"]) <= 0.011  # printed to 0.01 ms each
+    # Minor page faults per step, plain and defaults (counts, never negative).
+    assert re.search(r"^page faults\s+[\d,]+\s+[\d,]+\s+\(minor, per step", result.stdout, re.MULTILINE)
