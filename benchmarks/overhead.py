@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import statistics
 import subprocess
@@ -162,26 +163,31 @@ def report(times: dict[str, list[list[float]]], variants: list[str], args, threa
         print(f"{variant:<20}{median * 1000:>18.2f}{median / base:>16.3f}{paired:>17.3f}", flush=True)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser()
+def parse_run_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """Add the options of every benchmark here (those :func:`run_child` passes on to a child, and the rounds), parse
+    them and quiet the run: no warnings, no Lightning info lines, and in a child the torch thread count asked for."""
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--threads", default="1,2", help="torch intra-op thread counts, comma-separated (0: default)")
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # run one variant here and print its results
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    if args.child:
+        torch.set_num_threads(int(args.threads) or torch.get_num_threads())
+    return args
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
     parser.add_argument(
         "--variants", default="plain,memtrace_counters,memtrace,memtrace_dispatch,torch_memtracker,profiler_memory"
     )
-    parser.add_argument("--threads", default="1,2", help="torch intra-op thread counts, comma-separated (0: default)")
-    parser.add_argument("--child", help=argparse.SUPPRESS)  # run one variant here and print its step times
-    args = parser.parse_args()
-    warnings.filterwarnings("ignore")
-    import logging
-
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    args = parse_run_args(parser)
     if args.child:
-        threads = int(args.threads)
-        torch.set_num_threads(threads or torch.get_num_threads())
         with TemporaryDirectory() as root:
             print(json.dumps(run(args.child, args, root)))
         return 0
@@ -216,6 +222,7 @@ def run_child(script: str, variant: str, threads: int, args) -> Any:
         print(f"{variant}: failed ({reason})", file=sys.stderr)
         return None
     return json.loads(lines[-1])
+
 
 if __name__ == "__main__":
     sys.exit(main())

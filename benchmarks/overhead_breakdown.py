@@ -35,7 +35,6 @@ import resource
 import statistics
 import sys
 import time
-import warnings
 from collections import Counter
 from pathlib import Path
 from tempfile import TemporaryDirectory
@@ -48,7 +47,6 @@ import overhead  # noqa: E402  (benchmarks/overhead.py: the same model, data and
 
 import lightning.pytorch as pl  # noqa: E402
 from lightning_memtrace.capture import recorder, reports_backend, rows, torch_private  # noqa: E402
-from lightning_memtrace.capture.reports_backend import AllocatorReports, track_every_cpu_block  # noqa: E402
 
 #: (owner, method, part): the calls timed, each counted in its part.
 _TIMED = (
@@ -64,6 +62,10 @@ _HOOKS = ("begin_batch", "mark_forward_done", "mark_backward_done", "_after_opti
 PARTS = ("close", "read", "count", "reopen", "rows", "gc", "other hooks", "in the step")
 
 
+def _minor_page_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 class _Parts:
     """Wall time per part, from the first step after the warm-up on."""
 
@@ -75,6 +77,7 @@ class _Parts:
         self._gc_start = 0.0
         #: Minor page faults of the process from the first step after the warm-up to the end of training.
         self.faults = 0
+        self._faults_at_arm = 0
 
     def wrap(self, owner: Any, name: str, part: str) -> None:
         method = getattr(owner, name)
@@ -118,8 +121,13 @@ class _Parts:
 
         reports_backend.ReportsBackend.apply_columns = counted  # type: ignore[method-assign]
 
-    def page_faults(self) -> int:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    def arm(self) -> None:
+        self.armed = True
+        self._faults_at_arm = _minor_page_faults()
+
+    def end(self) -> None:
+        if self.armed:
+            self.faults = _minor_page_faults() - self._faults_at_arm
 
     def on_gc(self, phase: str, info: dict[str, int]) -> None:
         if not self.armed:
@@ -139,12 +147,10 @@ class _Arm(pl.Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if batch_idx == self.warmup:
-            self.parts.armed = True
-            self.parts.faults = -self.parts.page_faults()
+            self.parts.arm()
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
-        if self.parts.armed:
-            self.parts.faults += self.parts.page_faults()
+        self.parts.end()
 
 
 class _OpenSession(pl.Callback):
@@ -152,11 +158,11 @@ class _OpenSession(pl.Callback):
     what recording the reports costs inside torch's operators."""
 
     def __init__(self) -> None:
-        self.session: AllocatorReports | None = None
+        self.session: reports_backend.AllocatorReports | None = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
-        track_every_cpu_block()  # as MemTrace() does when it is made
-        self.session = AllocatorReports(other_threads_blocks=False)
+        reports_backend.track_every_cpu_block()  # as MemTrace() does when it is made
+        self.session = reports_backend.AllocatorReports(other_threads_blocks=False)
         self.session.start()
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
@@ -218,21 +224,8 @@ def report(
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--threads", default="1,2")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    warnings.filterwarnings("ignore")
-    import logging
-
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    args = overhead.parse_run_args(argparse.ArgumentParser())
     if args.child:
-        torch.set_num_threads(int(args.threads) or torch.get_num_threads())
         print(json.dumps(child(args.child, args)))
         return 0
     for threads in [int(t) for t in args.threads.split(",")]:
