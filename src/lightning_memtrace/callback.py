@@ -69,7 +69,9 @@ class MemTrace(Callback):
     - ``val_batch_start`` / ``val_batch_end`` (validation batches; activations are 0 there)
 
     **CSV** ``<trainer.log_dir>/memtrace/phases_rank<R>.csv`` (or ``<dirpath>/phases_rank<R>.csv``), one flushed
-    line per row, appended on resume. Columns:
+    line per row, appended on resume. On CPU (outside the history window) a row's line is written when MemTrace next
+    reads the CPU allocator's reports: about once a second, at the steps the Trainer logs at, and when the fit ends.
+    Columns:
 
     - ``step``: the global step when the batch started (every row of a batch carries it)
     - ``epoch``, ``batch_idx``, ``rank``, ``phase``
@@ -398,11 +400,14 @@ class MemTrace(Callback):
         recorder = self.recorder
         if recorder is None:
             return None
-        recorder.end_batch(next_step=trainer.global_step)  # reads the batch's reports and delivers its rows
+        recorder.end_batch(next_step=trainer.global_step)
         if accumulating(trainer):
             return None  # the next micro-batches belong to the same optimizer step: keep their maxima together
-        metrics = self._maxima.take_train()
-        return metrics if metrics and lightning_logs_now(trainer) else None
+        logs_now = self.log_metrics and bool(trainer.loggers) and lightning_logs_now(trainer)
+        if logs_now and recorder.rows_waiting:
+            recorder.flush()  # the rows of this step wait for the allocator's reports
+        metrics = self._maxima.take_train(recorder.train_rows_taken)
+        return metrics if metrics and logs_now else None
 
     def _gather_across_ranks(self, trainer: pl.Trainer, step: int) -> dict[str, float]:
         """Per phase and counter, the maximum over ranks and the rank that holds it (rank zero; empty elsewhere).
@@ -410,8 +415,10 @@ class MemTrace(Callback):
         One ``all_reduce(MAX)`` of a small int64 tensor whose entries encode ``bytes << 16 | rank``.
         """
         recorder = self.recorder
-        records = list(recorder.records) if recorder is not None and not self._disabled else []
         try:
+            if recorder is not None and not self._disabled and recorder.rows_waiting:
+                recorder.flush()  # the rows of this step wait for the allocator's reports
+            records = list(recorder.records) if recorder is not None and not self._disabled else []
             values = ranks.encode_step(records, step, trainer.global_rank)
         except Exception:  # this rank's rows are unreadable: it still takes part in the collective, with none
             values = ranks.encode_step([], step, trainer.global_rank)
@@ -520,12 +527,21 @@ class MemTrace(Callback):
         self._files = list(recorder.files)
         if recorder.tracker is not None:
             self.tracker_backend = recorder.tracker.backend
-        recorder.stop()
+        try:
+            recorder.stop()  # delivers the rows still waiting for the allocator's reports (to the CSV; none logged)
+        finally:
+            self._maxima.clear()
         self._max_allocated_bytes = recorder.max_allocated_bytes
         self._max_reserved_bytes = recorder.max_reserved_bytes
 
     @override
     def state_dict(self) -> dict[str, Any]:
+        recorder = self.recorder
+        if recorder is not None and recorder.rows_waiting:
+            try:
+                recorder.flush()  # the count includes the rows still waiting for the allocator's reports
+            except Exception:  # noqa: S110
+                pass  # a checkpoint is never held up by MemTrace: the count is then a few rows short
         return {"version": 1, "rows": self._rows_total, "last_step": self._last_step, "run": self.run_id}
 
     @override

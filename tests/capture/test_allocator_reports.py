@@ -385,34 +385,6 @@ def test_reading_many_reports_triggers_no_garbage_collection_and_leaves_the_coll
     assert enabled_after == collecting
 
 
-def test_a_training_batch_reads_the_reports_once(tmp_path, monkeypatch):
-    """Outside the history window the reports are read once per training batch, at its end (each read also costs a
-    fixed ~0.3 ms to close and reopen the session)."""
-    from lightning.pytorch import Callback
-
-    drains: list[int] = []
-    original = AllocatorReports.drain_columns
-
-    def counting(self, reopen: bool = True):
-        drains.append(1)
-        return original(self, reopen)
-
-    monkeypatch.setattr(AllocatorReports, "drain_columns", counting)
-
-    class PerBatch(Callback):
-        def __init__(self) -> None:
-            self.counts: list[int] = []
-
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            self.counts.append(len(drains))
-
-    per_batch = PerBatch()
-    memtrace = MemTrace(dirpath=tmp_path, history=False, report=False)
-    trainer(tmp_path, [memtrace, per_batch], max_steps=6).fit(MLP())
-    assert [b - a for a, b in zip(per_batch.counts, per_batch.counts[1:])] == [1] * 5
-    assert len(load_phases(memtrace.output_dir)) == 6 * 5
-
-
 def _made_by_first() -> torch.Tensor:
     return torch.ones(4096)
 

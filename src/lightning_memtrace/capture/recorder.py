@@ -26,6 +26,7 @@ import dataclasses
 import os
 import secrets
 import sys
+import threading
 import time
 import warnings
 from collections import deque
@@ -51,10 +52,10 @@ from lightning_memtrace.capture.window import HistoryWindow
 from lightning_memtrace.schema import format_tag
 from lightning_memtrace.types import STAGE_AFTER_PHASE, Phase, PhaseRecord, Stage
 
-#: Deferred rows (see :meth:`MemoryRecorder.flush`) are read at the end of every training batch, and during
-#: validation once this many are waiting or this many seconds have passed.
+#: Deferred rows (see :meth:`MemoryRecorder.flush`) are read at the end of the batch where this many are waiting or
+#: this many seconds have passed since the last read (and whenever the rows are wanted: logging, gathering, the end).
 _DEFERRED_ROWS_MAX = 256
-_DEFERRED_SECONDS_MAX = 2.0
+_DEFERRED_SECONDS_MAX = 1.0
 
 
 class MemTraceWarning(UserWarning):
@@ -149,6 +150,8 @@ class MemoryRecorder:
         self.training = False
         self.started = False
         self.records: deque[PhaseRecord] = deque(maxlen=2048)
+        #: Training rows taken so far (read or deferred); they reach ``on_record`` in this order.
+        self.train_rows_taken = 0
         self.outputs = RecorderFiles(self.output_dir, rank, self.config.max_rows, self.config.max_snapshots, self._warn)
         self.rows = RowReader(self.device, self.categories, self.saved, self.tracker, self.counters)
         self.window = HistoryWindow(
@@ -162,6 +165,8 @@ class MemoryRecorder:
         self._step_hooks: list[Any] = []
         self._step_depth: dict[int, int] = {}
         self._last_sync = time.monotonic()
+        #: The thread that started the recorder (whose reports session it reads).
+        self._thread = threading.get_ident()
 
     def _measuring_parts(
         self, config: RecorderConfig, parts: RecorderParts
@@ -191,6 +196,7 @@ class MemoryRecorder:
         if self.started:
             return self
         self.started = True
+        self._thread = threading.get_ident()
         if self.tracker is not None:
             self.tracker.oom_listeners.append(self.oom.on_tracker_oom)
             self.tracker.start()
@@ -331,16 +337,7 @@ class MemoryRecorder:
             self.batch = None  # kept no longer than the batch: the next batch's rows must not see it alive
         self.rows.end_batch()
         self.saved.clear()
-        deferring = self.tracker is not None and self.tracker.deferring
-        if (self.training and deferring) or (
-            self.rows.deferred
-            and (
-                len(self.rows.deferred) >= _DEFERRED_ROWS_MAX
-                or time.monotonic() - self._last_sync >= _DEFERRED_SECONDS_MAX
-            )
-        ):
-            # Once per training batch (also one without rows: the reports must not pile up); in validation only
-            # every few hundred rows or seconds.
+        if self._sync_due():
             self._sync()
         if self.training:
             if next_step is None:
@@ -349,20 +346,44 @@ class MemoryRecorder:
             if last is not None and next_step > last:
                 self.window.close(self.step)
 
+    def _sync_due(self) -> bool:
+        """Whether the deferred rows are read at the end of this batch.
+
+        Each read has a fixed cost (the session is closed, its results freed, a new one opened), so the reports of
+        many batches are read at once: every few hundred rows or every second (also without rows: the reports must
+        not pile up). Under a process group, every training batch: the collectives' worker threads free blocks this
+        thread made, which only the allocator's totals between two reads tell.
+        """
+        tracker = self.tracker
+        if tracker is None or not tracker.deferring:
+            return False
+        return (
+            (self.training and tracker.reads_every_batch)
+            or len(self.rows.deferred) >= _DEFERRED_ROWS_MAX
+            or time.monotonic() - self._last_sync >= _DEFERRED_SECONDS_MAX
+        )
+
     # ------------------------------------------------------------------------------------------------ measuring
     def measure(self, phase: Phase) -> PhaseRecord:
         """Measure now, without writing: allocated, reserved, peak since the last measurement, and categories."""
         self._sync()
         return self.rows.read(self._place(phase, time.time()))
 
+    @property
+    def rows_waiting(self) -> int:
+        """Rows taken and not delivered yet: they wait for the allocator's reports (see :meth:`flush`)."""
+        return len(self.rows.deferred)
+
     def flush(self) -> None:
         """Read the allocator's reports now and deliver every row still waiting for them (CSV, ``on_record``).
 
         With the CPU allocator's reports (the default on CPU, outside the history window), a row is taken where it
-        happens but its allocated and peak bytes are read from the report stream later: at the end of each training
-        batch, during validation every few hundred rows or seconds, and here.
+        happens but its allocated and peak bytes are read from the report stream later: at the end of the batch where
+        a few hundred rows wait or a second has passed (under a process group, every training batch), and here.
+        The session is the thread's that started the recorder: on another thread this does nothing.
         """
-        self._sync()
+        if threading.get_ident() == self._thread:
+            self._sync()
 
     def _sync(self) -> None:
         tracker = self.tracker
@@ -393,6 +414,8 @@ class MemoryRecorder:
         self._set_stage(STAGE_AFTER_PHASE[phase])
         now_us = time.time_ns() // 1000
         self.window.phase_marks.append((self.step, phase.value, now_us))
+        if self._take_rows and self.training:
+            self.train_rows_taken += 1
         if deferring:
             assert tracker is not None
             if self._take_rows:
@@ -437,9 +460,11 @@ class MemoryRecorder:
 
         On CUDA, MemTrace resets the device's peak statistics at every row (the only way to learn each phase's peak),
         so ``torch.cuda.max_memory_allocated()`` then reads the peak since the last row; this keeps the run's maximum,
-        the peak the statistics held when the recorder started included.
+        the peak the statistics held when the recorder started included. Rows waiting for the CPU allocator's
+        reports are read first.
         """
         if self.counters is not None:
+            self.flush()
             return int(self.counters.max_allocated)
         return max((record.peak_bytes for record in self.records), default=0)
 

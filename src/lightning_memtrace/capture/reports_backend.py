@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import operator
 import threading
+import time
 import warnings
+import weakref
 from collections import deque
 from typing import Any, NamedTuple
 
@@ -61,6 +63,25 @@ _TOTAL = operator.attrgetter("total_allocated")
 #: Size of the block that puts a mark into the CPU allocator's report stream (a row, a free seen by weak reference).
 #: Odd, so that no tensor's block is this size; the block is freed at once, and neither report is counted.
 MARK_BYTES = 4093
+
+
+class WatchedStorage(weakref.ref):
+    """A weak reference to a storage a deferred row named (a batch's input), whose end puts a mark into the report
+    stream (see :meth:`ReportsBackend.watch`).
+
+    Attributes:
+        addr: The storage's address when watched.
+        nbytes: Its bytes then.
+        entry: What it was counted as where the stream reached a row that named it (None until then).
+    """
+
+    __slots__ = ("addr", "nbytes", "entry")
+
+    def __init__(self, storage: torch.UntypedStorage, callback: Any) -> None:
+        super().__init__(storage, callback)
+        self.addr = storage.data_ptr()
+        self.nbytes = storage.nbytes()
+        self.entry: LiveAllocation | None = None
 
 
 class SessionLost(RuntimeError):
@@ -281,7 +302,7 @@ class ReportsBackend:
         #: window: by address, oldest first (see ``_give_frames``).
         self.pending_frames: dict[int, list[list[Frame]]] = {}
         # Marks put into the report stream and not reached yet: (address of the mark's block or None, mark).
-        self._marks: deque[tuple[int | None, RowMark | LiveAllocation]] = deque()
+        self._marks: deque[tuple[int | None, RowMark | LiveAllocation | WatchedStorage]] = deque()
         self._thread = threading.get_ident()
         # What other threads did to the CPU allocator's total, as far as it is explained, by block size: blocks they
         # allocated (not counted here) and storages counted by weak reference that they freed (counted down by mark).
@@ -356,13 +377,38 @@ class ReportsBackend:
         self.apply_columns(reports, session.other_threads)
         self._reach_marks(len(self._marks))
 
+    @property
+    def reads_every_batch(self) -> bool:
+        """A process group runs: its worker threads free blocks this thread made, which only the allocator's totals
+        between two reads tell (changes that cancel out within one read go unseen), so read every training batch."""
+        return self._collective_threads
+
     # ----------------------------------------------------------------------------------------------- marks
-    def mark(self, mark: RowMark | LiveAllocation) -> None:
+    def watch(self, storage: torch.UntypedStorage) -> weakref.ref:
+        """A weak reference to ``storage`` for the rows that name it; while rows are deferred, its end is marked in
+        the report stream.
+
+        A row counts a storage the reports have not shown (memory from elsewhere: a DataLoader worker's shared
+        memory, numpy's) where the stream reaches the row, if the storage is still alive then. A batch's inputs may
+        be gone by then (rows are read every second or so): a watched one is then counted from the row's mark to
+        the mark of its end all the same.
+        """
+        if self.session is None:
+            return weakref.ref(storage)
+        return WatchedStorage(storage, self._watched_freed)
+
+    def _watched_freed(self, watched: WatchedStorage) -> None:
+        state = self.state
+        if self.session is not None and state.defer_free is not None and not state.capture_all_frames:
+            self.mark(watched)
+
+    def mark(self, mark: RowMark | LiveAllocation | WatchedStorage) -> None:
         """Put ``mark`` into the allocator's report stream here: it takes effect when :meth:`sync` reaches it.
 
         A :class:`RowMark` starts its stage and reads its row; a :class:`LiveAllocation` (a storage counted by weak
-        reference) is freed. The mark is a block of :data:`MARK_BYTES` allocated and freed at once on this thread; a
-        mark made on another thread reaches no report stream and takes effect with the next mark after it.
+        reference) is freed, as is a :class:`WatchedStorage` counted after its end. The mark is a block of
+        :data:`MARK_BYTES` allocated and freed at once on this thread; a mark made on another thread reaches no report
+        stream and takes effect with the next mark after it.
         """
         if threading.get_ident() != self._thread:
             if type(mark) is LiveAllocation:
@@ -383,6 +429,8 @@ class ReportsBackend:
             mark = marks.popleft()[1]
             if type(mark) is RowMark:
                 self._reach_row(mark)
+            elif type(mark) is WatchedStorage:
+                self._reach_watched_end(mark)
             else:
                 self.state.count_down(mark)
 
@@ -392,8 +440,13 @@ class ReportsBackend:
         blocks, live, live_addrs = state.blocks, state.live, state.live_addrs
         for ref, _category in row.foreign:
             storage = ref()
-            if storage is not None and storage.data_ptr() not in blocks:
-                state.track_storage(storage, adopted=True)
+            if storage is not None:
+                if storage.data_ptr() not in blocks:
+                    state.track_storage(storage, adopted=True)
+                    if type(ref) is WatchedStorage:
+                        ref.entry = live.get(storage._cdata)
+            elif type(ref) is WatchedStorage and ref.entry is None:
+                self._adopt_ended(ref)
         for addr, category in row.labels:
             entry = blocks.get(addr)
             if entry is None:
@@ -404,6 +457,28 @@ class ReportsBackend:
         row.allocated = allocated = state.allocated
         row.peak = max(state.peak, allocated)
         state.reset_peak()
+
+    def _adopt_ended(self, watched: WatchedStorage) -> None:
+        """Count a watched storage that was alive at the row being reached and is gone now: as a block, from here to
+        the mark of its end (:meth:`_reach_watched_end`), unless its memory is counted already."""
+        state = self.state
+        addr = watched.addr
+        if addr in state.blocks or addr in state.live_addrs:
+            return
+        entry = LiveAllocation(
+            watched.nbytes, addr, time.time_ns() // 1000, None, state.stream_metadata, state.stream_stage
+        )
+        state.blocks[addr] = watched.entry = entry
+        state.allocated += entry.nbytes
+        if state.allocated > state.peak:
+            state.peak = state.allocated
+
+    def _reach_watched_end(self, watched: WatchedStorage) -> None:
+        """A watched storage ended here: if it was counted after its end, it is counted down now."""
+        entry = watched.entry
+        if entry is not None and self.state.blocks.get(entry.addr) is entry:
+            del self.state.blocks[entry.addr]
+            self.state.count_down(entry)
 
     def _reached_mark(self, reports: ReportColumns, index: int, allocated: int, peak: int) -> bool:
         """Whether the block reported at ``index`` is a mark's (allocated and freed at once, and queued): its marks

@@ -69,9 +69,12 @@ def make_record(
     )
 
 
-def row_parts(tracker: AllocationTracker | None, named: NamedStorages) -> tuple[dict[Category, int], Labels, Foreign]:
+def row_parts(
+    tracker: AllocationTracker | None, named: NamedStorages, refs: dict[int, weakref.ref] | None = None
+) -> tuple[dict[Category, int], Labels, Foreign]:
     """Totals by category, and for the tracker the ``(address, category)`` labels and the storages at addresses it does
-    not count yet (adopted at the row's mark)."""
+    not count yet (adopted at the row's mark), each by the weak reference ``refs`` holds for its key, if any (a
+    batch's inputs: :meth:`AllocationTracker.watch`)."""
     totals = dict(named.totals)
     if tracker is None or not named.storages:
         return totals, [], []
@@ -82,11 +85,14 @@ def row_parts(tracker: AllocationTracker | None, named: NamedStorages) -> tuple[
     labels: Labels = list(zip(addrs, names))
     blocks, live_addrs = tracker.counted_addresses()
     uncounted = set(filterfalse(live_addrs.__contains__, filterfalse(blocks.__contains__, addrs)))
-    foreign: Foreign = (
-        [(weakref.ref(storage), name) for addr, storage, name in zip(addrs, storages, names) if addr in uncounted]
-        if uncounted
-        else []
-    )
+    if not uncounted:
+        return totals, labels, []
+    refs = refs or {}
+    foreign: Foreign = [
+        (refs.get(key) or weakref.ref(storage), name)
+        for key, addr, storage, name in zip(named.storages, addrs, storages, names)
+        if addr in uncounted
+    ]
     return totals, labels, foreign
 
 
@@ -108,6 +114,8 @@ class RowReader:
     #: Rows named and waiting for the report stream to reach their marks, oldest first.
     deferred: deque[RowMark] = dataclasses.field(default_factory=deque, init=False)
     _inputs: dict[int, weakref.ref] = dataclasses.field(default_factory=dict, init=False)
+    # The last batch's input references (a batch whose storages it shares keeps them: one reference per storage).
+    _input_refs: dict[int, weakref.ref] = dataclasses.field(default_factory=dict, init=False)
     _model_states: tuple[NamedStorages, dict[Category, int], Labels, Foreign] | None = dataclasses.field(
         default=None, init=False
     )
@@ -118,11 +126,21 @@ class RowReader:
         if training or self._model_states is None:
             self._model_states = None
             self.categories.refresh()
-        self._inputs = (
-            {key: weakref.ref(storage) for key, storage in input_storages(batch, self.device).items()}
-            if batch is not None
-            else {}
-        )
+        self._inputs = self._input_references(input_storages(batch, self.device)) if batch is not None else {}
+
+    def _input_references(self, storages: dict[int, torch.UntypedStorage]) -> dict[int, weakref.ref]:
+        """Weak references to the batch's input storages: watched ones while rows are deferred (an input may be gone
+        where the report stream reaches the rows that named it)."""
+        tracker = self.tracker
+        if tracker is None or not tracker.deferring:
+            self._input_refs = {}
+            return {key: weakref.ref(storage) for key, storage in storages.items()}
+        previous, refs = self._input_refs, {}
+        for key, storage in storages.items():
+            ref = previous.get(key)
+            refs[key] = ref if ref is not None and ref() is storage else tracker.watch(storage)
+        self._input_refs = refs
+        return dict(refs)
 
     def end_batch(self) -> None:
         self._inputs = {}
@@ -152,7 +170,7 @@ class RowReader:
         states, state_totals, state_labels, state_foreign = self._model_states
         inputs = NamedStorages()
         inputs.add({key: st for key, st in self._live_inputs().items() if key not in states.storages}, Category.INPUTS)
-        totals, labels, foreign = row_parts(tracker, inputs)
+        totals, labels, foreign = row_parts(tracker, inputs, self._inputs)
         for category, nbytes in state_totals.items():
             totals[category] += nbytes
         totals[Category.ACTIVATIONS] = 0
@@ -180,7 +198,7 @@ class RowReader:
         assert tracker is not None
         if self.training:
             named = self.categories.name(inputs=self._live_inputs(), saved=self.saved.live_storages())
-            totals, labels, foreign = row_parts(tracker, named)
+            totals, labels, foreign = row_parts(tracker, named, self._inputs)
         else:
             totals, labels, foreign = self._validation_parts(tracker)
         row = RowMark(tracker.stage, tracker.metadata, labels, foreign, (place, totals))

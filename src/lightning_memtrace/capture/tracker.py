@@ -14,6 +14,7 @@ pytorch.org/memory_viz, ``memtrace report``) open them.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -163,6 +164,20 @@ class AllocationTracker:
     def deferring(self) -> bool:
         """Rows are read where the report stream reaches their marks (backend "reports", outside a history window)."""
         return self._reports.session is not None and not self._state.capture_all_frames
+
+    @property
+    def reads_every_batch(self) -> bool:
+        """The reports must be read at the end of every training batch: a process group runs, whose worker threads
+        free blocks this thread made (see :meth:`ReportsBackend.reads_every_batch
+        <lightning_memtrace.capture.reports_backend.ReportsBackend.reads_every_batch>`)."""
+        return self._reports.reads_every_batch
+
+    def watch(self, storage: torch.UntypedStorage) -> weakref.ref:
+        """A weak reference to ``storage`` whose end is marked in the report stream while rows are deferred.
+
+        See :meth:`ReportsBackend.watch <lightning_memtrace.capture.reports_backend.ReportsBackend.watch>`.
+        """
+        return self._reports.watch(storage)
 
     @property
     def capture_all_frames(self) -> bool:

@@ -65,21 +65,36 @@ def profiles_with_torch(trainer: pl.Trainer) -> bool:
 class RowMaxima:
     """The maxima (MiB) of the rows taken since they were last handed out, per metric key, training and validation
     apart: several rows of one phase come before they are logged (the micro-batches of one optimizer step, the
-    batches of a validation run)."""
+    batches of a validation run).
+
+    Training rows may arrive after the batches that took them (read from the CPU allocator's reports every second or
+    so): :meth:`take_train` says how many training rows were taken by then, and those still to arrive of them are
+    left out of the next maxima.
+    """
 
     def __init__(self) -> None:
         self.train: dict[str, float] = {}
         self.val: dict[str, float] = {}
+        self._train_arrived = 0
+        self._train_from = 0
 
     def add(self, record: PhaseRecord) -> None:
-        target = self.val if record.phase in VAL_PHASES else self.train
+        if record.phase in VAL_PHASES:
+            target = self.val
+        else:
+            self._train_arrived += 1
+            if self._train_arrived <= self._train_from:
+                return  # taken before the last hand-out: its step's maxima were handed out (or dropped) then
+            target = self.train
         for key, attribute in _METRIC_KEYS[record.phase]:
             value = getattr(record, attribute) / MIB
             if value > target.get(key, -1.0):
                 target[key] = value
 
-    def take_train(self) -> dict[str, float]:
+    def take_train(self, rows_taken: int) -> dict[str, float]:
+        """The maxima of the training rows arrived so far; the next ones start after the first ``rows_taken``."""
         metrics, self.train = self.train, {}
+        self._train_from = max(self._train_from, rows_taken)
         return metrics
 
     def take_val(self) -> dict[str, float]:
@@ -88,3 +103,4 @@ class RowMaxima:
 
     def clear(self) -> None:
         self.train, self.val = {}, {}
+        self._train_arrived = self._train_from = 0

@@ -1,0 +1,128 @@
+"""Rows read from the CPU allocator's reports many batches after they were taken are the rows read at each batch's
+end: the same bytes in every column, also for inputs gone by the time of the read (a DataLoader worker's shared
+memory, numpy's memory), with gradient accumulation and validation in between."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch import Callback
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_memtrace import MemTrace, load_phases
+from lightning_memtrace.capture import recorder as recorder_module
+from lightning_memtrace.capture.reports_backend import AllocatorReports
+from lm_helpers import MLP, trainer
+
+#: Columns that differ between two runs of the same training: when and which run.
+_RUN_COLUMNS = ["time_s", "run"]
+
+
+def _numpy_collate(items):
+    # memory the CPU allocator never reported: numpy's
+    xs = np.stack([x.numpy() for x, _ in items])
+    ys = np.stack([y.numpy() for _, y in items])
+    return torch.from_numpy(xs), torch.from_numpy(ys)
+
+
+class Loaded(MLP):
+    def __init__(self, loader: str) -> None:
+        super().__init__(batch_size=8)
+        self.loader = loader
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        data = TensorDataset(torch.randn(256, 32, generator=g), torch.randn(256, 1, generator=g))
+        if self.loader == "workers":
+            return DataLoader(data, batch_size=self.batch_size, num_workers=1)
+        if self.loader == "numpy":
+            return DataLoader(data, batch_size=self.batch_size, collate_fn=_numpy_collate)
+        return DataLoader(data, batch_size=self.batch_size)
+
+
+#: scenario -> (Trainer arguments, reads of the reports when they wait: one at each validation run's end, one at the
+#: fit's end)
+SCENARIOS = {
+    "worker_inputs": (dict(max_steps=8), 1),
+    "numpy_inputs": (dict(max_steps=8), 1),
+    "accumulation_and_validation": (
+        dict(max_steps=6, accumulate_grad_batches=2, val_check_interval=4, limit_val_batches=3),
+        12 // 4 + 1,
+    ),
+}
+_LOADERS = {"worker_inputs": "workers", "numpy_inputs": "numpy", "accumulation_and_validation": "plain"}
+
+
+def _rows(tmp_path, monkeypatch, scenario: str, read_every_batch: bool):
+    monkeypatch.setattr(recorder_module, "_DEFERRED_SECONDS_MAX", 0.0 if read_every_batch else 3600.0)
+    drains = _counting_drains(monkeypatch)
+    folder = tmp_path / ("every_batch" if read_every_batch else "deferred")
+    callback = MemTrace(dirpath=folder, history=False, report=False)
+    trainer_kwargs, _ = SCENARIOS[scenario]
+    torch.manual_seed(0)
+    trainer(tmp_path, [callback], **trainer_kwargs).fit(Loaded(_LOADERS[scenario]))
+    assert callback.tracker_backend == "reports"
+    return load_phases(folder).drop(columns=_RUN_COLUMNS), len(drains)
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_rows_read_late_equal_rows_read_at_each_batch_end(tmp_path, monkeypatch, scenario):
+    every_batch, drains_every_batch = _rows(tmp_path, monkeypatch, scenario, read_every_batch=True)
+    deferred, drains_deferred = _rows(tmp_path, monkeypatch, scenario, read_every_batch=False)
+    trainer_kwargs, reads = SCENARIOS[scenario]
+    assert drains_every_batch >= trainer_kwargs["max_steps"] * trainer_kwargs.get("accumulate_grad_batches", 1)
+    assert drains_deferred == reads
+    assert len(deferred) == len(every_batch) > 0
+    assert (deferred["inputs_bytes"] > 0).any()
+    assert deferred.to_dict("records") == every_batch.to_dict("records")
+
+
+def _counting_drains(monkeypatch) -> list[int]:
+    drains: list[int] = []
+    original = AllocatorReports.drain_columns
+
+    def counting(self, reopen: bool = True):
+        drains.append(1)
+        return original(self, reopen)
+
+    monkeypatch.setattr(AllocatorReports, "drain_columns", counting)
+    return drains
+
+
+def test_under_a_process_group_the_reports_are_read_at_every_training_batch(tmp_path, monkeypatch):
+    """A process group's worker threads free blocks this thread made, which only the totals between two reads tell:
+    there the reports are read at the end of every training batch, however young the last read."""
+    import torch.distributed as dist
+
+    monkeypatch.setattr(recorder_module, "_DEFERRED_SECONDS_MAX", 3600.0)
+    drains = _counting_drains(monkeypatch)
+
+    class PerBatch(Callback):
+        def __init__(self) -> None:
+            self.counts: list[int] = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.counts.append(len(drains))
+
+    per_batch = PerBatch()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        callback = MemTrace(dirpath=tmp_path, history=False, report=False)
+        trainer(tmp_path, [callback, per_batch], max_steps=6).fit(MLP())
+    finally:
+        dist.destroy_process_group()
+    assert [b - a for a, b in zip(per_batch.counts, per_batch.counts[1:])] == [1] * 5
+    assert len(load_phases(tmp_path)) == 6 * 5
+
+
+def test_reports_wait_for_a_row_count_or_an_age(tmp_path, monkeypatch):
+    """Reads come every ``_DEFERRED_ROWS_MAX`` rows (here 10: every second batch of five rows) or every
+    ``_DEFERRED_SECONDS_MAX`` seconds, whichever comes first, and once more when the fit ends."""
+    monkeypatch.setattr(recorder_module, "_DEFERRED_ROWS_MAX", 10)
+    monkeypatch.setattr(recorder_module, "_DEFERRED_SECONDS_MAX", 3600.0)
+    drains = _counting_drains(monkeypatch)
+    callback = MemTrace(dirpath=tmp_path, history=False, report=False)
+    trainer(tmp_path, [callback], max_steps=8).fit(MLP())
+    assert len(drains) == 8 // 2 + 1
+    assert len(load_phases(tmp_path)) == 8 * 5
