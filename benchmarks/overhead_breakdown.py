@@ -1,12 +1,13 @@
 """Where MemTrace's step time goes on CPU with the defaults: each part per step, beside the plain step, in one run.
 
-Usage: python benchmarks/overhead_breakdown.py [--rounds 3] [--steps 30] [--threads 1,2] [--batch-size 4]
+Usage: python benchmarks/overhead_breakdown.py [--rounds 3] [--steps 40] [--threads 1,2] [--batch-size 4]
        [--seq-len 128]
 
 Runs the tiny Qwen2 of ``benchmarks/overhead.py`` (AdamW, batch 4 x 128 by default) plain, plain with MemTrace's
 session open (see "in the step" below) and with ``MemTrace()``, alternating round by round, each run in a process of
-its own. In the MemTrace run every part below is timed in the
-process (wall time, after the warm-up steps) and printed in ms per step and as a share of the plain step:
+its own. In the MemTrace run every part below is timed in the process (wall time, after the warm-up steps) and
+printed in ms per step (the mean over the steps: the reports are read about once a second) and as a share of the
+plain step (also a mean):
 
 - close: torch closing the allocator-reports session (C++, about 1 µs per report)
 - read: reading the reports into Python (one event object, its fields object and three fields per report)
@@ -58,7 +59,7 @@ _TIMED = (
     (rows.RowReader, "read", "rows"),
 )
 #: MemTrace's entry points from its hooks (a call inside another one is not counted twice).
-_HOOKS = ("begin_batch", "mark_forward_done", "mark_backward_done", "_after_optimizer_step", "end_batch")
+_HOOKS = ("begin_batch", "mark_forward_done", "mark_backward_done", "_after_optimizer_step", "end_batch", "stop")
 PARTS = ("close", "read", "count", "reopen", "rows", "gc", "other hooks", "in the step")
 
 
@@ -165,9 +166,11 @@ class _OpenSession(pl.Callback):
         self.session = reports_backend.AllocatorReports(other_threads_blocks=False)
         self.session.start()
 
-    def on_train_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+    def teardown(self, trainer: pl.Trainer, pl_module: Any, stage: str) -> None:
+        # after the last step's timing: reading what the whole run recorded is not the recording's cost
         if self.session is not None:
             self.session.stop()
+            self.session = None
 
 
 def child(variant: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -196,9 +199,10 @@ def report(
     threads: int,
     args: argparse.Namespace,
 ) -> None:
-    plain_step = statistics.median(t for run in plain for t in run["times"])
-    session_step = statistics.median(t for run in session for t in run["times"])
-    traced_step = statistics.median(t for run in traced for t in run["times"])
+    # means, as the parts are: the reports are read about once a second, in a few steps of the run
+    plain_step = statistics.fmean(t for run in plain for t in run["times"])
+    session_step = statistics.fmean(t for run in session for t in run["times"])
+    traced_step = statistics.fmean(t for run in traced for t in run["times"])
     per_step = {key: statistics.median(run["seconds"].get(key, 0.0) for run in traced) for key in traced[0]["seconds"]}
     parts = {key: per_step.get(key, 0.0) for key in ("close", "read", "count", "reopen", "rows", "gc")}
     hooks, gc_in_hooks = per_step.get("hooks", 0.0), per_step.get("gc in hooks", 0.0)
