@@ -88,11 +88,11 @@ def row_parts(
     if not uncounted:
         return totals, labels, []
     refs = refs or {}
-    foreign: Foreign = [
-        (refs.get(key) or weakref.ref(storage), name)
-        for key, addr, storage, name in zip(named.storages, addrs, storages, names)
-        if addr in uncounted
-    ]
+    foreign: Foreign = []
+    for key, addr, storage, name in zip(named.storages, addrs, storages, names):
+        if addr in uncounted:
+            ref = refs.get(key)
+            foreign.append((ref if ref is not None else weakref.ref(storage), name))
     return totals, labels, foreign
 
 
