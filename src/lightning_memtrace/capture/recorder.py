@@ -349,9 +349,10 @@ class MemoryRecorder:
     def _sync_due(self) -> bool:
         """Whether the deferred rows are read at the end of this batch.
 
-        Each read has a fixed cost (the session is closed, its results freed, a new one opened), so the reports of
-        many batches are read at once: every few hundred rows or every second (also without rows: the reports must
-        not pile up). Under a process group, every training batch: the collectives' worker threads free blocks this
+        Reading costs about the same per report whenever it happens, but each read also frees torch's result at once,
+        after which the C library trims the heap and the next step faults the pages in again; so the reports of many
+        batches are read at once: every few hundred rows or every second (also without rows: the reports must not
+        pile up). Under a process group, every training batch: the collectives' worker threads free blocks this
         thread made, which only the allocator's totals between two reads tell.
         """
         tracker = self.tracker

@@ -140,7 +140,7 @@ class RowReader:
             ref = previous.get(key)
             refs[key] = ref if ref is not None and ref() is storage else tracker.watch(storage)
         self._input_refs = refs
-        return dict(refs)
+        return refs
 
     def end_batch(self) -> None:
         self._inputs = {}
