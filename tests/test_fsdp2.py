@@ -81,13 +81,18 @@ def test_fsdp2_estimate_is_measured_and_matches_the_real_two_rank_run(tmp_path):
     )
     assert estimated.world_size == 2 and estimated.sharding.startswith("FSDP2 over 2 ranks (4 blocks")
     step_peaks = real.groupby(["rank", "step"]).peak_bytes.max()
-    # Every rank's every step peaks at the estimate to a few bytes (32 B above it in every run seen). gloo's worker
-    # threads free gathered layers the training thread made (2,904,064 B each): a block counted until its address came
-    # back, or the wrong one of a size taken for it, showed as one to three layers too many on some ranks.
-    assert estimated.peak_bytes - 1024 <= int(step_peaks.min()), (estimated.peak_bytes, step_peaks.to_dict())
-    highest = int(step_peaks.max())
-    assert abs(highest - estimated.peak_bytes) <= 0.03 * highest, (estimated.peak_bytes, step_peaks.to_dict())
-    assert (step_peaks <= estimated.peak_bytes + 1024).mean() >= 0.75, (estimated.peak_bytes, step_peaks.to_dict())
+    # Every rank's every step peaks at the estimate to a few bytes (32 B above it in nearly every run seen). gloo's
+    # worker threads drop the last reference to a gathered layer the training thread made (2,904,064 B) when they get
+    # to it: where that comes after the next layer's gather, two gathered layers are alive (or counted, until the
+    # worker's free shows in the totals) for a moment, and once in dozens of CI runs one rank-step peaked one layer
+    # above the estimate. No rank-step may be more than that above, and most must be at the estimate.
+    layer = build_causal_lm(TINY_QWEN2_CONFIG).model.layers[0]
+    layer_bytes = sum(p.numel() * p.element_size() for p in layer.parameters())
+    assert layer_bytes == 2_904_064
+    seen = (estimated.peak_bytes, step_peaks.to_dict())
+    assert estimated.peak_bytes - 1024 <= int(step_peaks.min()), seen
+    assert int(step_peaks.max()) <= estimated.peak_bytes + layer_bytes + 1024, seen
+    assert (step_peaks <= estimated.peak_bytes + 1024).mean() >= 0.75, seen
     # what each rank holds is the same on every rank, and the estimate's rank holds it byte for byte
     rows = {r.phase.value: r for r in estimated.records if r.step == 1}
     for phase in ("after_forward", "after_backward", "batch_end"):
