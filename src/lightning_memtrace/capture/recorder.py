@@ -149,7 +149,7 @@ class MemoryRecorder:
         self.stage = Stage.OUTSIDE
         self.training = False
         self.started = False
-        self.records: deque[PhaseRecord] = deque(maxlen=2048)
+        self._records: deque[PhaseRecord] = deque(maxlen=2048)
         #: Training rows taken so far (read or deferred); they reach ``on_record`` in this order.
         self.train_rows_taken = 0
         self.outputs = RecorderFiles(self.output_dir, rank, self.config.max_rows, self.config.max_snapshots, self._warn)
@@ -371,6 +371,14 @@ class MemoryRecorder:
         return self.rows.read(self._place(phase, time.time()))
 
     @property
+    def records(self) -> deque[PhaseRecord]:
+        """The last 2,048 rows, oldest first; rows still waiting for the allocator's reports are read first (on the
+        recorder's thread), so that every row taken so far is here."""
+        if self.rows.deferred:
+            self.flush()
+        return self._records
+
+    @property
     def rows_waiting(self) -> int:
         """Rows taken and not delivered yet: they wait for the allocator's reports (see :meth:`flush`)."""
         return len(self.rows.deferred)
@@ -433,7 +441,7 @@ class MemoryRecorder:
     def _deliver(self, records: list[PhaseRecord]) -> None:
         if not records:
             return
-        self.records.extend(records)
+        self._records.extend(records)
         self.outputs.write_rows(records)
         if self.on_record is not None:
             for record in records:
@@ -467,14 +475,14 @@ class MemoryRecorder:
         if self.counters is not None:
             self.flush()
             return int(self.counters.max_allocated)
-        return max((record.peak_bytes for record in self.records), default=0)
+        return max((record.peak_bytes for record in self._records), default=0)
 
     @property
     def max_reserved_bytes(self) -> int:
         """The highest reserved bytes of the run so far (see :attr:`max_allocated_bytes`)."""
         if self.counters is not None:
             return int(self.counters.max_reserved)
-        return max((record.reserved_bytes for record in self.records), default=0)
+        return max((record.reserved_bytes for record in self._records), default=0)
 
     @property
     def csv_path(self) -> Path | None:
