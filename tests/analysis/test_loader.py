@@ -7,6 +7,7 @@ import gzip
 import json
 import os
 import pickle
+import sys
 from pathlib import Path
 
 import pytest
@@ -148,6 +149,33 @@ class Foreign:
 
     def __init__(self) -> None:
         self.value = 1
+
+
+#: A 9-byte pickle whose LONG_BINPUT names memo index 2**30: CPython's C unpickler would allocate and zero a memo of
+#: 2**31 pointers (16 GiB) for it before reading on.
+MEMO_BOMB = b"\x80\x02]r" + (2**30).to_bytes(4, "little") + b"."
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the memory cap is Linux's RLIMIT_DATA")
+@pytest.mark.parametrize("as_file", [False, True])
+def test_memo_bomb_is_refused_at_once_and_the_limit_restored(tmp_path: Path, as_file: bool) -> None:
+    import resource
+    import time
+
+    before = resource.getrlimit(resource.RLIMIT_DATA)
+    source: bytes | Path = MEMO_BOMB
+    if as_file:
+        source = tmp_path / "bomb.pickle"
+        source.write_bytes(MEMO_BOMB)
+    started = time.monotonic()
+    with pytest.raises(SnapshotError) as caught:
+        load_snapshot(source)
+    assert time.monotonic() - started < 5
+    message = str(caught.value)
+    assert "\n" not in message and "corrupt or hostile pickle" in message and "9 B" in message
+    assert resource.getrlimit(resource.RLIMIT_DATA) == before
+    # a real snapshot still loads in the same process afterwards, under the same cap
+    assert load_snapshot(pickle.dumps({"segments": [], "device_traces": [[]]})).num_events == 0
 
 
 def test_foreign_object_is_refused(tmp_path: Path) -> None:

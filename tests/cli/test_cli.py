@@ -171,6 +171,22 @@ def test_registered_subcommand(capsys: pytest.CaptureFixture[str], monkeypatch: 
     assert_one_line_error(capsys, run_main(["boom"]), "bad value")
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the memory cap is Linux's RLIMIT_DATA")
+def test_console_script_refuses_a_memo_bomb_at_once(tmp_path: Path) -> None:
+    """9 bytes whose LONG_BINPUT names memo index 2**30 (CPython's C unpickler would zero 16 GiB for it): exit 2 and
+    one line, in a few seconds, with the process's memory never near that."""
+    bomb = tmp_path / "bomb.pickle"
+    bomb.write_bytes(b"\x80\x02]r" + (2**30).to_bytes(4, "little") + b".")
+    result = subprocess.run(
+        [sys.executable, "-c", "import sys; from lightning_memtrace.cli import main; sys.exit(main())", "summary",
+         str(bomb)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().count("\n") == 0
+    assert result.stderr.startswith(f"memtrace: error: {bomb}: corrupt or hostile pickle")
+
+
 def test_console_script_refuses_hostile_pickle(tmp_path: Path) -> None:
     """The real entry point, in a subprocess: exit 2, one line, the command in the pickle never runs."""
     marker = tmp_path / "marker"

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lightning_memtrace.analysis.data_limit import data_growth_capped, unpickling_budget
 from lightning_memtrace.collector import gc_paused
 from lightning_memtrace.schema import read_header
 from lightning_memtrace.units import format_bytes
@@ -222,20 +223,24 @@ def unpickle_restricted(raw: bytes, where: str = "<bytes>") -> Any:
     """
     if not raw:
         raise SnapshotError(f"{where}: empty file")
-    return _unpickle_stream(io.BytesIO(raw), where, raw[:1] == b"\x80")
+    return _unpickle_stream(io.BytesIO(raw), where, raw[:1] == b"\x80", len(raw))
 
 
-def _unpickle_stream(stream: Any, where: str, pickle_magic: bool) -> Any:
-    """:func:`unpickle_restricted` of a binary stream (bytes in memory, or an open file read as it goes)."""
+def _unpickle_stream(stream: Any, where: str, pickle_magic: bool, size: int) -> Any:
+    """:func:`unpickle_restricted` of a binary stream of ``size`` bytes (in memory, or an open file read as it goes),
+    with the process's memory growth capped meanwhile (see :mod:`~lightning_memtrace.analysis.data_limit`)."""
     try:
-        with gc_paused():
+        with gc_paused(), data_growth_capped(unpickling_budget(size)):
             return RestrictedUnpickler(stream).load()
     except SnapshotError as error:
         raise SnapshotError(f"{where}: {error}") from None
     except EOFError:
         raise SnapshotError(f"{where}: truncated pickle (the file ends before the snapshot does)") from None
     except MemoryError:
-        raise SnapshotError(f"{where}: out of memory while unpickling") from None
+        raise SnapshotError(
+            f"{where}: corrupt or hostile pickle (it asks for more memory than a pickle of {format_bytes(size)} can "
+            "need)"
+        ) from None
     except RecursionError:
         raise SnapshotError(f"{where}: pickle nested too deeply") from None
     except Exception as error:  # pickle raises many types for corrupt input
@@ -335,7 +340,7 @@ def _unpickle_plain_file(path: Path, max_bytes: int, where: str) -> Any:
             size = os.fstat(handle.fileno()).st_size
             if not 0 < size <= max_bytes or handle.peek(2)[:2] not in _PICKLE_HEADS:
                 return _NOT_PLAIN
-            return _unpickle_stream(handle, where, True)
+            return _unpickle_stream(handle, where, True, size)
     except OSError as error:
         raise SnapshotError(f"{where}: cannot read ({_one_line(error.strerror or str(error))})") from None
 

@@ -1,0 +1,76 @@
+"""A cap on how much more memory the process may map while it reads an untrusted pickle.
+
+CPython's C unpickler sizes its memo from the index a ``PUT``/``LONG_BINPUT`` opcode names: a file of a few bytes that
+names index 10⁹ makes it allocate and zero 16 GB before it reads on, which no check of ours can see coming (the
+opcode is deep inside C). A snapshot needs a few bytes of Python objects per byte of pickle (2.9× to 7.8× for the real
+snapshots of ``shared/fixtures``), so while one is unpickled the process's data segment may grow by
+:func:`unpickling_budget` bytes and no more: beyond that the allocation fails with ``MemoryError``, which the loader
+turns into its one-line error.
+
+Linux only (``RLIMIT_DATA`` counts every private writable mapping there since 4.7); elsewhere, or where the limit
+cannot be set, nothing is capped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+from collections.abc import Iterator
+
+#: Room for the unpickled objects: a fixed part, and a multiple of the pickle's size well above what snapshots need.
+_FIXED_BUDGET = 1024**3
+_BUDGET_PER_BYTE = 64
+
+_lock = threading.Lock()
+
+
+def unpickling_budget(pickle_bytes: int) -> int:
+    """Bytes the data segment may grow by while a pickle of ``pickle_bytes`` bytes is unpickled."""
+    return _FIXED_BUDGET + _BUDGET_PER_BYTE * max(0, pickle_bytes)
+
+
+def _data_segment_bytes() -> int | None:
+    """The process's data segment as the kernel counts it for ``RLIMIT_DATA`` (``VmData``), or None if unknown."""
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as status:
+            for line in status:
+                if line.startswith("VmData:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+@contextlib.contextmanager
+def data_growth_capped(extra_bytes: int) -> Iterator[None]:
+    """While inside, the data segment may grow by at most ``extra_bytes``; a tighter limit already set is kept.
+
+    The limit is the process's: another thread that maps more meanwhile fails the same way. Calls on several threads
+    at once cap only the first.
+    """
+    if not sys.platform.startswith("linux") or not _lock.acquire(blocking=False):
+        yield
+        return
+    try:
+        import resource
+
+        used = _data_segment_bytes()
+        soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+        cap = None if used is None else used + extra_bytes
+        if cap is not None and hard != resource.RLIM_INFINITY:
+            cap = min(cap, hard)
+        if cap is None or (soft != resource.RLIM_INFINITY and soft <= cap):
+            yield
+            return
+        try:
+            resource.setrlimit(resource.RLIMIT_DATA, (cap, hard))
+        except (ValueError, OSError):
+            yield
+            return
+        try:
+            yield
+        finally:
+            resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
+    finally:
+        _lock.release()
