@@ -155,9 +155,12 @@ def trainer(tmp_path, callbacks, **kwargs) -> pl.Trainer:
     return pl.Trainer(**defaults)
 
 
-def record_plain_loop(model: nn.Module, optimizer, folder, steps: int, batch_size: int, **recorder_kwargs):
+def record_plain_loop(
+    model: nn.Module, optimizer, folder, steps: int, batch_size: int, after_batch=None, **recorder_kwargs
+):
     """A plain PyTorch loop of ``steps`` steps (random batches of ``batch_size`` rows, squared-output loss) under a
-    ``MemoryRecorder`` writing into ``folder``; returns the stopped recorder."""
+    ``MemoryRecorder`` writing into ``folder`` (None: no files); ``after_batch(recorder, step)`` is called after each
+    batch's end. Returns the stopped recorder."""
     from lightning_memtrace import MemoryRecorder
 
     features = next(m for m in model.modules() if isinstance(m, nn.Linear)).in_features
@@ -172,6 +175,8 @@ def record_plain_loop(model: nn.Module, optimizer, folder, steps: int, batch_siz
             optimizer.step()
             optimizer.zero_grad()
             recorder.end_batch()
+            if after_batch is not None:
+                after_batch(recorder, step)
     return recorder
 
 

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_memtrace import MemTrace, load_phases
 from lightning_memtrace.capture import recorder as recorder_module
 from lightning_memtrace.capture.reports_backend import AllocatorReports
-from lm_helpers import MLP, trainer
+from lm_helpers import MLP, record_plain_loop, trainer
 
 #: Columns that differ between two runs of the same training: when and which run.
 _RUN_COLUMNS = ["time_s", "run"]
@@ -131,7 +131,6 @@ def test_reports_wait_for_a_row_count_or_an_age(tmp_path, monkeypatch):
 def test_a_plain_loop_reading_records_mid_run_gets_every_row_taken(tmp_path, monkeypatch):
     """``MemoryRecorder.records`` reads the rows still waiting for the reports first: a loop that looks at them after
     each batch sees that batch's five rows, with the bytes of a recorder that reads at every batch's end."""
-    from lightning_memtrace import MemoryRecorder
 
     def run(read_every_batch: bool) -> list[list]:
         monkeypatch.setattr(recorder_module, "_DEFERRED_SECONDS_MAX", 0.0 if read_every_batch else 3600.0)
@@ -139,24 +138,17 @@ def test_a_plain_loop_reading_records_mid_run_gets_every_row_taken(tmp_path, mon
         model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         seen = []
-        with MemoryRecorder(model, [optimizer], history=False) as recorder:
+
+        def look_at_rows(recorder, step: int) -> None:
             assert recorder.tracker is not None and recorder.tracker.backend == "reports"
-            for step in range(4):
-                x, y = torch.randn(8, 32), torch.randn(8, 1)
-                recorder.begin_batch((x, y), step=step)
-                loss = torch.nn.functional.mse_loss(model(x), y)
-                recorder.mark_forward_done()
-                loss.backward()
-                recorder.mark_backward_done()
-                optimizer.step()
-                optimizer.zero_grad()
-                recorder.end_batch()
-                if not read_every_batch:
-                    assert recorder.rows_waiting == 5 * (step + 1) - sum(map(len, seen))
-                rows = list(recorder.records)
-                assert recorder.rows_waiting == 0
-                assert len(rows) == 5 * (step + 1)
-                seen.append(rows[5 * step :])
+            if not read_every_batch:
+                assert recorder.rows_waiting == 5 * (step + 1) - sum(map(len, seen))
+            rows = list(recorder.records)
+            assert recorder.rows_waiting == 0
+            assert len(rows) == 5 * (step + 1)
+            seen.append(rows[5 * step :])
+
+        record_plain_loop(model, optimizer, None, 4, 8, after_batch=look_at_rows, history=False)
         # AdamW: exp_avg and exp_avg_sq as large as each parameter, and a float32 step count per parameter
         parameters = list(model.parameters())
         adam_bytes = 2 * sum(p.numel() * p.element_size() for p in parameters) + 4 * len(parameters)

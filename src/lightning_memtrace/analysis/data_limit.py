@@ -17,6 +17,7 @@ import contextlib
 import sys
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 #: Room for the unpickled objects: a fixed part, and a multiple of the pickle's size well above what snapshots need.
 _FIXED_BUDGET = 1024**3
@@ -55,22 +56,28 @@ def data_growth_capped(extra_bytes: int) -> Iterator[None]:
     try:
         import resource
 
-        used = _data_segment_bytes()
-        soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
-        cap = None if used is None else used + extra_bytes
-        if cap is not None and hard != resource.RLIM_INFINITY:
-            cap = min(cap, hard)
-        if cap is None or (soft != resource.RLIM_INFINITY and soft <= cap):
-            yield
-            return
-        try:
-            resource.setrlimit(resource.RLIMIT_DATA, (cap, hard))
-        except (ValueError, OSError):
-            yield
-            return
+        limits = _capped(resource, extra_bytes)
         try:
             yield
         finally:
-            resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
+            if limits is not None:
+                resource.setrlimit(resource.RLIMIT_DATA, limits)
     finally:
         _lock.release()
+
+
+def _capped(resource: Any, extra_bytes: int) -> tuple[int, int] | None:
+    """Lower the soft ``RLIMIT_DATA`` to the data segment now plus ``extra_bytes``; the limits to restore, or None
+    where nothing was set (the segment unknown, a tighter limit already set, the limit not settable)."""
+    used = _data_segment_bytes()
+    if used is None:
+        return None
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    cap = used + extra_bytes if hard == resource.RLIM_INFINITY else min(used + extra_bytes, hard)
+    if soft != resource.RLIM_INFINITY and soft <= cap:
+        return None
+    try:
+        resource.setrlimit(resource.RLIMIT_DATA, (cap, hard))
+    except (ValueError, OSError):
+        return None
+    return soft, hard
