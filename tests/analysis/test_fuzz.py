@@ -11,12 +11,12 @@ from pathlib import Path
 
 import torch
 
-FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "snapshots"
 from lightning_memtrace import MemoryRecorder
 from lightning_memtrace.analysis.loader import SnapshotError, load_snapshot
 from lightning_memtrace.analysis.replay import replay
 from lightning_memtrace.cli import main as memtrace_main
 
+FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "snapshots"
 SEEDS = ["shreyansh26_profile_grad.pkl", "drisspg_mini_snapshot.pickle", "Muduard_memory_snapshot.pkl"]
 BUDGET_S = 20.0
 
@@ -66,10 +66,12 @@ def test_mutated_snapshots_never_crash_loader_or_replay(tmp_path):
     rng = random.Random(1234)
     deadline = time.monotonic() + BUDGET_S
     outcomes = {"loaded": 0, "refused": 0}
+    printed = io.StringIO()
     while time.monotonic() < deadline:
         data = _mutate(rng.choice(seeds), rng)
         try:
-            snapshot = load_snapshot(data)
+            with redirect_stderr(printed):
+                snapshot = load_snapshot(data)
         except SnapshotError as error:
             message = str(error)
             assert message and "\n" not in message and "Traceback" not in message
@@ -84,6 +86,9 @@ def test_mutated_snapshots_never_crash_loader_or_replay(tmp_path):
         outcomes["loaded"] += 1
     assert outcomes["refused"] > 50
     assert sum(outcomes.values()) > 100
+    # CPython's own "exported buffers" SystemError, printed where the memory cap strikes inside the C unpickler
+    # (before the fix, a few mutations in every 10,000 printed it), never reaches the console.
+    assert printed.getvalue() == ""
 
 
 def test_cli_one_line_error_on_mutated_files(tmp_path):

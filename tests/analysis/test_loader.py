@@ -178,6 +178,24 @@ def test_memo_bomb_is_refused_at_once_and_the_limit_restored(tmp_path: Path, as_
     assert load_snapshot(pickle.dumps({"segments": [], "device_traces": [[]]})).num_events == 0
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the memory cap is Linux's RLIMIT_DATA")
+def test_while_capped_only_cpythons_exported_buffers_error_is_kept_off_the_console(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from lightning_memtrace.analysis.data_limit import data_growth_capped
+
+    user_hook = sys.excepthook
+    with data_growth_capped(2**30):
+        # what CPython's bytearray_dealloc hands to sys.excepthook (through PyErr_Print) when the cap strikes
+        sys.excepthook(SystemError, SystemError("deallocated bytearray object has exported buffers"), None)
+        sys.excepthook(SystemError, SystemError("something else"), None)
+        sys.excepthook(ValueError, ValueError("deallocated bytearray object has exported buffers"), None)
+    assert sys.excepthook is user_hook
+    err = capsys.readouterr().err
+    assert "exported buffers" in err and "something else" in err  # the ValueError's and the other SystemError's
+    assert err.count("SystemError") == 1 and err.count("ValueError") == 1
+
+
 def test_foreign_object_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "foreign.pkl"
     path.write_bytes(pickle.dumps({"segments": [Foreign()], "device_traces": []}))

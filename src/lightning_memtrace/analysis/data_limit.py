@@ -9,6 +9,10 @@ turns into its one-line error.
 
 Linux only (``RLIMIT_DATA`` counts every private writable mapping there since 4.7); elsewhere, or where the limit
 cannot be set, nothing is capped.
+
+When the cap strikes inside the C unpickler between lending a bytearray's buffer out and taking it back, CPython
+itself prints ``SystemError: deallocated bytearray object has exported buffers`` (through ``sys.excepthook``) while
+unwinding: :func:`data_growth_capped` keeps exactly that line off the console.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import contextlib
 import sys
 import threading
 from collections.abc import Iterator
+from types import TracebackType
 from typing import Any
 
 #: Room for the unpickled objects: a fixed part, and a multiple of the pickle's size well above what snapshots need.
@@ -24,6 +29,8 @@ _FIXED_BUDGET = 1024**3
 _BUDGET_PER_BYTE = 64
 
 _lock = threading.Lock()
+#: What CPython prints when a bytearray whose buffer is still lent out is freed (here: by an allocation failing).
+_EXPORTED_BUFFERS = "deallocated bytearray object has exported buffers"
 
 
 def unpickling_budget(pickle_bytes: int) -> int:
@@ -58,12 +65,32 @@ def data_growth_capped(extra_bytes: int) -> Iterator[None]:
 
         limits = _capped(resource, extra_bytes)
         try:
-            yield
+            with _exported_buffer_errors_quiet():
+                yield
         finally:
             if limits is not None:
                 resource.setrlimit(resource.RLIMIT_DATA, limits)
     finally:
         _lock.release()
+
+
+@contextlib.contextmanager
+def _exported_buffer_errors_quiet() -> Iterator[None]:
+    """While inside, ``sys.excepthook`` drops CPython's "exported buffers" SystemError (see the module's docstring)
+    and hands every other exception to the hook that was there."""
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, traceback: TracebackType | None) -> None:
+        if kind is SystemError and str(value) == _EXPORTED_BUFFERS:
+            return
+        previous(kind, value, traceback)
+
+    sys.excepthook = hook
+    try:
+        yield
+    finally:
+        if sys.excepthook is hook:
+            sys.excepthook = previous
 
 
 def _capped(resource: Any, extra_bytes: int) -> tuple[int, int] | None:
