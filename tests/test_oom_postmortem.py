@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pickle
 
+import numpy as np
 import pytest
 import torch
 
@@ -51,6 +52,37 @@ def test_cpu_oom_in_training_step_writes_post_mortem(tmp_path):
     # the run's CSV is whole: every row of step 0 and the batch_start of step 1
     phases = load_phases(folder)
     assert list(phases.phase) == ["batch_start", "after_forward", "after_backward", "after_optimizer_step", "batch_end", "batch_start"]
+
+
+class _NumpyOom(MLP):
+    """Host memory runs out in numpy, not in torch's allocator: a ``MemoryError`` (numpy's ``_ArrayMemoryError``)."""
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 1:
+            np.empty(2**60, dtype=np.uint8)
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_memory_error_on_cpu_writes_the_post_mortem_and_propagates_unchanged(tmp_path):
+    callback = MemTrace()
+    module = _NumpyOom()
+    raised = []
+    with pytest.raises(MemoryError, match="Unable to allocate 1.00 EiB") as info:
+        try:
+            trainer(tmp_path, [callback], max_steps=3).fit(module)
+        except MemoryError as error:
+            raised.append(error)
+            raise
+    assert info.value is raised[0]
+    text = (callback.output_dir / "oom_rank0_step1.txt").read_text()
+    assert "requested:     1.0 EiB (1,152,921,504,606,846,976 B)" in text
+    assert "died in:       the forward pass" in text
+    assert "failed at:     " in text and "test_oom_postmortem.py:" in text and "in training_step" in text
+    pbytes = unique_storage_bytes(module.parameters())
+    param_line = next(line for line in text.splitlines() if line.strip().startswith("parameters"))
+    assert f"({pbytes:,} B)" in param_line
+    with open(callback.output_dir / "oom_rank0_step1.pickle", "rb") as handle:
+        assert pickle.load(handle)["memtrace"]["post_mortem"]["requested_bytes"] == 2**60
 
 
 def test_plain_loop_recorder_writes_post_mortem_and_reraises(tmp_path):

@@ -133,9 +133,11 @@ class MemTrace(Callback):
     The run's maximum is :attr:`max_allocated_bytes` (and :attr:`max_reserved_bytes`), which includes the peak the
     statistics held when MemTrace started.
 
-    **Post-mortem**: on an out-of-memory error, ``oom_rank<R>_step<N>.pickle`` and ``oom_rank<R>_step<N>.txt`` (step,
-    phase, requested size, live memory by category, the ten largest live allocations and where they were made, what
-    would fit, what to change) are written before the error propagates unchanged. "What would fit" is the what-if
+    **Post-mortem**: on an out-of-memory error (CUDA's ``OutOfMemoryError``, the CPU allocator's "can't allocate
+    memory"; on CPU any ``MemoryError`` too, numpy's included), ``oom_rank<R>_step<N>.pickle`` and
+    ``oom_rank<R>_step<N>.txt`` (step, phase, requested size, live memory by category, the ten largest live
+    allocations and where they were made, what would fit, what to change) are written before the error propagates
+    unchanged. "What would fit" is the what-if
     table (:func:`lightning_memtrace.what_if`) for the module and the batch it died on, at the Trainer's precision and
     accumulation, against the device's memory (CUDA: its total; CPU: the physical RAM): one row per remedy (predicted
     peak, bytes saved, fits, largest micro-batch, price, measured or formula), then the cheapest combination that fits
@@ -491,7 +493,7 @@ class MemTrace(Callback):
         # Runs on each rank for itself: no collective here. Never raises: the training error must propagate unchanged.
         try:
             recorder = self.recorder
-            if recorder is not None and is_out_of_memory(exception):
+            if recorder is not None and is_out_of_memory(exception, recorder.device):
                 batch = recorder.batch if recorder.batch is not None else self._first_batch
                 budget = self.config.what_if_budget_s
                 paths = recorder.write_post_mortem(

@@ -102,6 +102,13 @@ def test_is_out_of_memory_classification():
     assert not is_out_of_memory(ValueError("out of memory"))
     assert not is_out_of_memory(RuntimeError("shape mismatch"))
     assert requested_bytes_from_message("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0)") == 2 * 1024**3
+    # host memory running out in Python or numpy is the CPU's out-of-memory, not an accelerator's
+    assert is_out_of_memory(MemoryError()) and is_out_of_memory(MemoryError(), "cpu")
+    assert not is_out_of_memory(MemoryError(), torch.device("cuda", 0))
+    assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory."), "cuda:0")
+    numpy_message = "Unable to allocate 1.00 EiB for an array with shape (1152921504606846976,) and data type uint8"
+    assert requested_bytes_from_message(numpy_message) == 2**60
+    assert requested_bytes_from_message("Unable to allocate 7.5 MiB for an array") == int(7.5 * 1024**2)
 
 
 def test_other_device_storages_are_ignored_and_meta_storages_counted():

@@ -8,13 +8,20 @@ import torch
 
 _CPU_OOM_PATTERN = re.compile(r"tried to allocate (\d+) bytes")
 _CUDA_OOM_PATTERN = re.compile(r"Tried to allocate ([\d.]+) (B|KiB|MiB|GiB|TiB)")
-_UNIT_FACTORS = {"B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3, "TiB": 1024**4}
+#: numpy's ``_ArrayMemoryError``: "Unable to allocate 7.28 PiB for an array with shape ...".
+_NUMPY_OOM_PATTERN = re.compile(r"Unable to allocate ([\d.]+) (B|KiB|MiB|GiB|TiB|PiB|EiB)")
+_UNIT_FACTORS = {"B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3, "TiB": 1024**4, "PiB": 1024**5, "EiB": 1024**6}
 
 
-def is_out_of_memory(exception: BaseException) -> bool:
-    """True for a CUDA ``OutOfMemoryError`` and for the CPU allocator's "can't allocate memory" ``RuntimeError``."""
+def is_out_of_memory(exception: BaseException, device: torch.device | str | None = None) -> bool:
+    """True for a CUDA ``OutOfMemoryError``, for the CPU allocator's "can't allocate memory" ``RuntimeError``, and,
+    where the measured ``device`` is the CPU (or not given), for any ``MemoryError``: Python, numpy and the C library
+    raise it when host memory runs out, which is the device's memory there (on an accelerator it is not, and only a
+    message naming an out-of-memory counts)."""
     oom_type = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", None)
     if oom_type is not None and isinstance(exception, oom_type):
+        return True
+    if isinstance(exception, MemoryError) and (device is None or torch.device(device).type == "cpu"):
         return True
     if isinstance(exception, (RuntimeError, MemoryError)):
         message = str(exception)
@@ -27,7 +34,8 @@ def requested_bytes_from_message(message: str) -> int | None:
     found = _CPU_OOM_PATTERN.search(message)
     if found:
         return int(found.group(1))
-    found = _CUDA_OOM_PATTERN.search(message)
-    if found:
-        return int(float(found.group(1)) * _UNIT_FACTORS[found.group(2)])
+    for pattern in (_CUDA_OOM_PATTERN, _NUMPY_OOM_PATTERN):
+        found = pattern.search(message)
+        if found:
+            return int(float(found.group(1)) * _UNIT_FACTORS[found.group(2)])
     return None

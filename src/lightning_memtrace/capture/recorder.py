@@ -242,7 +242,7 @@ class MemoryRecorder:
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         try:
-            if exc is not None and is_out_of_memory(exc):
+            if exc is not None and is_out_of_memory(exc, self.device):
                 self.write_post_mortem(exc)
         finally:
             self.stop()
