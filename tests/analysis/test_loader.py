@@ -196,6 +196,42 @@ def test_while_capped_only_cpythons_exported_buffers_error_is_kept_off_the_conso
     assert err.count("SystemError") == 1 and err.count("ValueError") == 1
 
 
+@pytest.mark.skipif(not Path("/dev/zero").exists(), reason="no /dev/zero")
+def test_a_device_is_refused_without_reading_it() -> None:
+    with pytest.raises(SnapshotError, match=r"^/dev/zero: not a regular file \(a device or socket\), not a snapshot"):
+        load_snapshot("/dev/zero")
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes")
+@pytest.mark.parametrize("head", [b"\x00", b"name,value\n"])
+def test_a_pipe_that_never_ends_is_refused_from_its_first_bytes(tmp_path: Path, head: bytes) -> None:
+    """``memtrace summary <(cat /dev/zero)``: the loader reads the head, sees no snapshot container, and stops."""
+    import threading
+
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    written = [0]
+
+    def endless_writer() -> None:
+        with open(pipe, "wb") as handle:
+            chunk = head * (65536 // len(head))
+            try:
+                while written[0] < 256 * 1024**2:
+                    handle.write(chunk)
+                    handle.flush()
+                    written[0] += len(chunk)
+            except BrokenPipeError:  # the loader closed its end
+                pass
+
+    writer = threading.Thread(target=endless_writer, daemon=True)
+    writer.start()
+    with pytest.raises(SnapshotError, match="not a pickle"):
+        load_snapshot(pipe)
+    writer.join(timeout=10)
+    assert not writer.is_alive()
+    assert written[0] < 1024**2  # the pipe's buffer and the head, not the 8 GiB the size limit would allow
+
+
 def test_foreign_object_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "foreign.pkl"
     path.write_bytes(pickle.dumps({"segments": [Foreign()], "device_traces": []}))

@@ -159,3 +159,37 @@ def test_ranks_of_plain_loops_pair_up_run_by_run(tmp_path: Path) -> None:
         assert sorted(source.phases["rank"].unique().tolist()) == [0, 1]
         assert source.phases["run"].nunique() == 2  # one id per rank's recorder
         assert int(source.phases["inputs_bytes"].max()) == 4 * batch * 16
+
+
+def test_a_phases_csv_passed_alone_stands_for_its_log_folder(
+    two_versions: tuple[Path, list[str]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    parent, runs = two_versions
+    folder = parent / "version_1" / "memtrace"
+    (source,) = load_sources(folder / "phases_rank0.csv")
+    assert source.run == runs[1] and len(source.phases) == ROWS_PER_RUN
+    assert [s.path.name for s in source.snapshots] == ["snapshot_rank0_steps1-2.pickle"]
+    assert _run_cli(["summary", str(folder / "phases_rank0.csv"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["run"] == runs[1]
+
+
+def test_the_search_below_a_folder_is_bounded(
+    two_versions: tuple[Path, list[str]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shutil
+
+    from lightning_memtrace.analysis import source as source_module
+
+    parent, _ = two_versions
+    run = parent / "version_0" / "memtrace"
+    depth = source_module.SEARCH_DEPTH
+    # a run's memtrace folder SEARCH_DEPTH folders below is found; one deeper, or in a hidden folder, is not
+    shutil.copytree(run, tmp_path.joinpath(*["d"] * (depth - 1), "memtrace"))
+    shutil.copytree(run, tmp_path.joinpath(*["e"] * depth, "memtrace"))
+    shutil.copytree(run, tmp_path / ".hidden" / "memtrace")
+    (tmp_path / "d" / "loop").symlink_to(tmp_path)  # a link back up: searched once
+    assert source_module.run_folders(tmp_path) == [tmp_path.joinpath(*["d"] * (depth - 1), "memtrace")]
+    # a folder with more folders below it than the search looks into is one clear error
+    monkeypatch.setattr(source_module, "SEARCH_FOLDERS_MAX", 5)
+    with pytest.raises(SnapshotError, match=r"over 5 folders to search for MemTrace's; pass a log folder"):
+        load_sources(tmp_path)

@@ -19,6 +19,7 @@ import io
 import os
 import pickle
 import re
+import stat
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -146,6 +147,23 @@ def _describe_magic(head: bytes) -> str | None:
     return None
 
 
+#: What a file that is none of the containers a snapshot comes in is told.
+_NOT_A_SNAPSHOT_FILE = "not a pickle (nor gzip, nor memory_viz HTML)"
+#: First bytes of each container a snapshot comes in: a pickle (protocol 2 and above; 0 and 1 open a dict, a list or a
+#: mark), gzip, and HTML (after any whitespace).
+_CONTAINER_HEADS = (b"\x80", b"}", b"]", b"(", b"\x1f\x8b", b"<")
+
+
+def _refuse_foreign_head(head: bytes, where: str) -> None:
+    """Refuse a file from its first bytes where they are none of a snapshot's containers, before reading the rest (a
+    multi-GB file of something else, a pipe that never ends)."""
+    what = _describe_magic(head[:16])
+    if what is not None:
+        raise SnapshotError(f"{where}: {what}, not a memory snapshot")
+    if head and not head.lstrip().startswith(_CONTAINER_HEADS):
+        raise SnapshotError(f"{where}: {_NOT_A_SNAPSHOT_FILE}")
+
+
 def _read_capped(path: Path, max_bytes: int, progress: Callable[[int, int], None] | None) -> bytes:
     size = path.stat().st_size
     if size > max_bytes:
@@ -154,9 +172,15 @@ def _read_capped(path: Path, max_bytes: int, progress: Callable[[int, int], None
             "(raise it with max_bytes / --max-bytes)"
         )
     with open(path, "rb") as handle:
+        head = handle.read(4096)
+        _refuse_foreign_head(head, str(path))
         if progress is None or size < PROGRESS_THRESHOLD_BYTES:
-            return handle.read(max_bytes + 1)
-        buffer = bytearray()
+            if handle.seekable():  # read whole at once: no copy of a large file to join the head to it
+                handle.seek(0)
+                return handle.read(max_bytes + 1)
+            return head + handle.read(max_bytes + 1 - len(head))
+        buffer = bytearray(head)
+        progress(len(buffer), size)
         while True:
             chunk = handle.read(_CHUNK)
             if not chunk:
@@ -245,7 +269,7 @@ def _unpickle_stream(stream: Any, where: str, pickle_magic: bool, size: int) -> 
         raise SnapshotError(f"{where}: pickle nested too deeply") from None
     except Exception as error:  # pickle raises many types for corrupt input
         if not pickle_magic:
-            raise SnapshotError(f"{where}: not a pickle (nor gzip, nor memory_viz HTML)") from None
+            raise SnapshotError(f"{where}: {_NOT_A_SNAPSHOT_FILE}") from None
         raise SnapshotError(
             f"{where}: corrupt or truncated pickle ({type(error).__name__}: {_one_line(str(error))})"
         ) from None
@@ -383,6 +407,10 @@ def load_snapshot(
             raise SnapshotError(f"{where}: no such file")
         if path.is_dir():
             raise SnapshotError(f"{where}: is a directory, not a snapshot file")
+        mode = path.stat().st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
+            # a device reads without end (/dev/zero) or not at all; a pipe (<(zcat ...)) is read, its head checked
+            raise SnapshotError(f"{where}: not a regular file (a device or socket), not a snapshot file")
         if progress is None:
             value = _unpickle_plain_file(path, max_bytes, where)
             if value is not _NOT_PLAIN:

@@ -9,6 +9,7 @@ their snapshots by the header's ``run``).
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import glob
 import os
 import re
@@ -88,15 +89,52 @@ def _holds_memtrace_files(folder: Path) -> bool:
     return any(glob.glob(str(folder / pattern)) for pattern in (PHASES_GLOB, *SNAPSHOT_PATTERNS))
 
 
+#: How deep below the folder passed the search for ``memtrace`` folders goes (``lightning_logs/version_0/memtrace`` is
+#: 3 deep), and how many folders it looks into before it gives up: a home folder or ``/`` is not a log folder.
+SEARCH_DEPTH = 8
+SEARCH_FOLDERS_MAX = 20_000
+
+
 def run_folders(path: str | os.PathLike[str]) -> list[Path]:
     """The MemTrace folders under ``path``: itself (or its ``memtrace`` folder) when it holds MemTrace files, else every
-    ``memtrace`` folder below it that does, in natural order (``version_2`` before ``version_10``)."""
+    ``memtrace`` folder below it that does, in natural order (``version_2`` before ``version_10``).
+
+    The search goes at most :data:`SEARCH_DEPTH` folders deep, skips hidden folders, follows links to folders once
+    each, and looks into at most :data:`SEARCH_FOLDERS_MAX` folders.
+
+    Raises:
+        SnapshotError: More folders below ``path`` than that.
+    """
     target = Path(path)
     for folder in (target / MEMTRACE_DIR, target):
         if folder.is_dir() and _holds_memtrace_files(folder):
             return [folder]
-    found = {Path(p) for p in glob.glob(str(target / "**" / MEMTRACE_DIR), recursive=True)}
-    return sorted((f for f in found if f.is_dir() and _holds_memtrace_files(f)), key=_natural_key)
+    found: list[Path] = []
+    seen: set[tuple[int, int]] = set()
+    top = len(target.parts)
+    for visited, (dirpath, dirnames, _) in enumerate(os.walk(target, followlinks=True), start=1):
+        if visited > SEARCH_FOLDERS_MAX:
+            raise SnapshotError(
+                f"{target}: over {SEARCH_FOLDERS_MAX:,} folders to search for MemTrace's; pass a log folder (the "
+                "logger's, or a parent of a few)"
+            )
+        here = Path(dirpath)
+        try:
+            status = here.stat()
+        except OSError:
+            dirnames[:] = []
+            continue
+        if (status.st_dev, status.st_ino) in seen:  # a link back to a folder searched already
+            dirnames[:] = []
+            continue
+        seen.add((status.st_dev, status.st_ino))
+        if here.name == MEMTRACE_DIR and _holds_memtrace_files(here):
+            found.append(here)
+        if len(here.parts) - top >= SEARCH_DEPTH:
+            dirnames[:] = []
+        else:
+            dirnames[:] = [name for name in dirnames if not name.startswith(".")]
+    return sorted(found, key=_natural_key)
 
 
 def _folder_files(folder: Path) -> list[Path]:
@@ -186,6 +224,8 @@ def load_sources(
     target = Path(path)
     if not target.exists():
         raise SnapshotError(f"{target}: no such file or directory")
+    if target.is_file() and fnmatch.fnmatch(target.name, PHASES_GLOB):
+        target = target.parent  # a rank's phases table stands for its log folder
     if not target.is_dir():
         snapshot = LoadedSnapshot(
             target, replay(load_snapshot(target, max_bytes=max_bytes, progress=progress), rules=rules)

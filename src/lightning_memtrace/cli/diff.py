@@ -13,8 +13,8 @@ from lightning_memtrace.units import format_bytes
 
 def add_subcommand(subparsers: Any) -> None:
     parser = subparsers.add_parser("diff", help="compare two snapshots or runs at their peaks (B - A)")
-    parser.add_argument("a", help="first snapshot or log folder (A)")
-    parser.add_argument("b", help="second snapshot or log folder (B)")
+    parser.add_argument("a", help="first snapshot, log folder or phases CSV (A)")
+    parser.add_argument("b", help="second snapshot, log folder or phases CSV (B)")
     add_sites(parser)
     add_max_bytes(parser)
     add_rules(parser)

@@ -19,7 +19,9 @@ def add_subcommand(subparsers: Any) -> None:
         description="Where the peak is, what it is made of, which lines made it and what to change: one HTML file "
         "that works offline.",
     )
-    parser.add_argument("path", help="snapshot (.pickle/.pkl, gzip, memory_viz .html) or MemTrace log folder")
+    parser.add_argument(
+        "path", help="snapshot (.pickle/.pkl, gzip, memory_viz .html), MemTrace log folder or its phases_rank<R>.csv"
+    )
     parser.add_argument("-o", "--output", default="report.html", help="HTML file to write (default: report.html)")
     parser.add_argument("--png", default=None, help="also write the timeline as a PNG here")
     add_max_bytes(parser)

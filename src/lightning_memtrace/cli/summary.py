@@ -15,7 +15,7 @@ from lightning_memtrace.units import format_bytes
 
 def add_subcommand(subparsers: Any) -> None:
     parser = subparsers.add_parser("summary", help="print the report's findings as terminal tables")
-    parser.add_argument("path", help="snapshot or MemTrace log folder")
+    parser.add_argument("path", help="snapshot, MemTrace log folder or its phases_rank<R>.csv")
     add_sites(parser)
     add_max_bytes(parser)
     add_rules(parser)
