@@ -29,15 +29,26 @@ TINY_QWEN2_CONFIG: dict[str, Any] = {
 }
 
 
+#: A model's ``config.json`` is a few KiB (a few hundred with long vocab-sized lists); anything larger is not one.
+CONFIG_MAX_BYTES = 16 * 1024**2
+
+
 def load_config_dict(config: str | os.PathLike | dict[str, Any]) -> dict[str, Any]:
     """A config as a dict, from a dict, a ``config.json`` file or a folder holding one."""
     if isinstance(config, dict):
         return dict(config)
     path = Path(config)
     if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} is a folder without a config.json")
         path = path / "config.json"
+    if path.exists() and not path.is_file():  # a device or a pipe: /dev/zero would be read without end
+        raise ValueError(f"{path} is not a regular file")
     with open(path, encoding="utf-8") as handle:
-        data = json.load(handle)
+        text = handle.read(CONFIG_MAX_BYTES + 1)
+    if len(text) > CONFIG_MAX_BYTES:
+        raise ValueError(f"{path} is over {CONFIG_MAX_BYTES // 1024**2} MiB: not a model config")
+    data = json.loads(text)
     if not isinstance(data, dict) or "model_type" not in data:
         raise ValueError(f"{path} is not a Hugging Face model config (no 'model_type')")
     return data

@@ -247,3 +247,44 @@ def test_unavailable_attention_is_one_line(capsys, one_layer):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "estimate with 'sdpa'" in err[0] and "cannot read the model config" not in err[0]
+
+
+def test_odd_configs_are_one_short_line(capsys, tmp_path):
+    unknown = tmp_path / "unknown.json"
+    unknown.write_text(json.dumps({"model_type": "nonexistent_model", "hidden_size": 8}))
+    (tmp_path / "empty_folder").mkdir()
+    cases = [
+        (str(unknown), "cannot read the model config", "model_type 'nonexistent_model' is unknown to transformers"),
+        (str(tmp_path / "empty_folder"), "empty_folder", "is a folder without a config.json"),
+    ]
+    if sys.platform.startswith("linux"):
+        cases.append(("/dev/zero", "/dev/zero", "is not a regular file"))  # read without end before
+    for config, first, second in cases:
+        assert main(["--config", config, "--batch-size", "1", "--seq-len", "8"]) == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert line.startswith("memtrace: error: ") and first in line and second in line
+        assert len(line) < 300  # transformers' own message lists every model type it knows: thousands of characters
+
+
+def test_a_seq_len_over_the_models_positions_is_noted(capsys, one_layer):
+    assert main(["--config", one_layer, "--batch-size", "1", "--seq-len", "600"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "note: --seq-len 600 is over the model's 512 positions: it may not run at that length"
+    assert main(["--config", one_layer, "--batch-size", "1", "--seq-len", "512"]) == 0
+    assert "note:" not in capsys.readouterr().out
+
+
+def test_transformers_log_lines_stay_off_the_console(tmp_path):
+    """A small GPT-2 config makes transformers log three WARNING lines ([transformers] loss_type=None ...,
+    bos/eos_token_id outside the vocabulary) through its own stderr handler: the command's output is its answer."""
+    config = tmp_path / "gpt2.json"
+    config.write_text(
+        json.dumps({"model_type": "gpt2", "n_layer": 1, "n_embd": 64, "n_head": 2, "vocab_size": 1000, "n_positions": 128})
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "lightning_memtrace.cli", "estimate", "--config", str(config), "--batch-size", "1",
+         "--seq-len", "16"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("estimate (rows of step 1") and "[transformers]" not in out.stdout + out.stderr

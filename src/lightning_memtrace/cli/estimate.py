@@ -17,8 +17,10 @@ Standalone: ``python -m lightning_memtrace.cli.estimate --config ...``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-from collections.abc import Sequence
+import logging
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from lightning_memtrace.cli.args import bytes_arg, positive_int
@@ -267,7 +269,24 @@ def _search_line(budget_bytes: int, search: Any) -> str:
     return f"largest micro-batch that fits in {budget}: {search.batch_size}{more} (peak {peak}{after})"
 
 
+def _positions_note(args: argparse.Namespace) -> str | None:
+    """A note where ``--seq-len`` is over the positions the model was made for (its memory is still estimated)."""
+    from lightning_memtrace.models import load_config_dict
+
+    try:
+        fields = load_config_dict(args.config)
+    except (OSError, ValueError):  # a hub id: the estimate read it already, the note is not worth a second fetch
+        return None
+    limit = next((fields[key] for key in ("max_position_embeddings", "n_positions") if key in fields), None)
+    if not isinstance(limit, int) or args.seq_len <= limit:
+        return None
+    return f"note: --seq-len {args.seq_len:,} is over the model's {limit:,} positions: it may not run at that length"
+
+
 def _print_text(args: argparse.Namespace, shown: Any, search: Any, fits: bool | None) -> None:
+    note = _positions_note(args)
+    if note is not None:
+        print(note)
     if shown is not None:
         print(shown.table())
     if fits is not None and shown is not None:
@@ -322,7 +341,30 @@ def _run_what_if(args: argparse.Namespace) -> int:
     return NOT_FIT_EXIT if fits is False else 0
 
 
+@contextlib.contextmanager
+def _transformers_quiet() -> Iterator[None]:
+    """transformers' own log lines about the config it builds (``loss_type=None`` ... unrecognized) are not the
+    command's answer: only errors of its get through while the command runs."""
+    with contextlib.suppress(ImportError):
+        # transformers sets its logger's level when it first configures it: that happens now, not over ours later
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.get_logger()
+    logger = logging.getLogger("transformers")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def _run(args: argparse.Namespace) -> int:
+    with _transformers_quiet():
+        return _answer(args)
+
+
+def _answer(args: argparse.Namespace) -> int:
     if args.what_if:
         _check(args)
         return _run_what_if(args)

@@ -19,17 +19,31 @@ from lightning_memtrace.models import TRANSFORMERS_AVAILABLE, load_config_dict
 
 def _hf_config(config: str | os.PathLike | Mapping[str, Any]) -> Any:
     """The ``PretrainedConfig`` of a dict, a ``config.json``, a folder or a hub id (where the network allows)."""
-    from transformers import AutoConfig
-
     if isinstance(config, Mapping):
-        return AutoConfig.for_model(**dict(config))
+        return _config_of(dict(config))
     path = Path(config).expanduser()
     text = str(config)
     if not path.exists() and (text.endswith(".json") or text.startswith((".", "/", "~")) or os.sep + os.sep in text):
         raise FileNotFoundError(f"no such config file or folder: {text}")
     if path.exists():
-        return AutoConfig.for_model(**load_config_dict(path))
+        return _config_of(load_config_dict(path))
     return _hub_config(text)
+
+
+def _config_of(fields: dict[str, Any]) -> Any:
+    """``AutoConfig.for_model``; a ``model_type`` this transformers does not know is said in a few words (its own error
+    lists every model type it knows, thousands of characters)."""
+    import transformers
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.for_model(**fields)
+    except ValueError as error:
+        if "Unrecognized model identifier" not in str(error):
+            raise
+        raise ValueError(
+            f"model_type {fields.get('model_type')!r} is unknown to transformers {transformers.__version__}"
+        ) from None
 
 
 #: Seconds to wait for the hub's host before calling the network unreachable.
