@@ -262,6 +262,17 @@ def test_trainer_pickles_after_fit_as_without_memtrace(tmp_path):
     assert fresh.state_dict() == state
 
 
+@pytest.mark.parametrize(
+    "state", [{"rows": "many"}, {"rows": 3, "last_step": [2]}, {"run": 7}, ["not", "a", "dict"]]
+)
+def test_a_checkpoint_state_memtrace_cannot_read_is_one_warning(state):
+    callback = MemTrace()
+    run_id = callback.run_id
+    with pytest.warns(UserWarning, match="MemTrace could not read its state in the checkpoint"):
+        callback.load_state_dict(state)
+    assert callback.state_dict() == {"version": 1, "rows": 0, "last_step": None, "run": run_id}
+
+
 def test_trainer_pickles_after_a_failed_fit(tmp_path):
     callback = MemTrace()
     run = trainer(tmp_path, [callback], max_steps=3)

@@ -548,7 +548,19 @@ class MemTrace(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._rows_total = int(state_dict.get("rows", 0) or 0)
-        self._last_step = state_dict.get("last_step")
-        if state_dict.get("run"):
-            self.run_id = str(state_dict["run"])  # a resumed run appends its rows to its own run
+        # A checkpoint's MemTrace state never stops a resume: one it cannot read (another version's, edited) is a
+        # warning, and the resumed fit counts afresh under a new run id.
+        try:
+            rows = int(state_dict.get("rows", 0) or 0)
+            last_step = state_dict.get("last_step")
+            run = state_dict.get("run")
+            if last_step is not None:
+                last_step = int(last_step)
+            if run is not None and not isinstance(run, str):
+                raise TypeError(f"run id {run!r} is not a string")
+        except (AttributeError, TypeError, ValueError) as error:
+            rank_zero_warn(f"MemTrace could not read its state in the checkpoint ({error}); it counts afresh.")
+            return
+        self._rows_total, self._last_step = rows, last_step
+        if run:
+            self.run_id = run  # a resumed run appends its rows to its own run
