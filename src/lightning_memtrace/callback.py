@@ -135,16 +135,15 @@ class MemTrace(Callback):
 
     **Post-mortem**: on an out-of-memory error (CUDA's ``OutOfMemoryError``, the CPU allocator's "can't allocate
     memory"; on CPU any ``MemoryError`` too, numpy's included), ``oom_rank<R>_step<N>.pickle`` and
-    ``oom_rank<R>_step<N>.txt`` (step, phase, requested size, live memory by category, the ten largest live
-    allocations and where they were made, what would fit, what to change) are written before the error propagates
-    unchanged. "What would fit" is the what-if
-    table (:func:`lightning_memtrace.what_if`) for the module and the batch it died on, at the Trainer's precision and
-    accumulation, against the device's memory (CUDA: its total; CPU: the physical RAM): one row per remedy (predicted
-    peak, bytes saved, fits, largest micro-batch, price, measured or formula), then the cheapest combination that fits
-    and its snippet. It runs on fake tensors (no real memory; the module's parameters, gradients and optimizer state
-    are not touched) within ``what_if_budget_s``; remedies it would not reach in time are named in one line, as is a
-    failure. With the table, the advice under "what to change" is only what points at a category holding at least 5%
-    of live memory. The pickle's header has it all as data (``post_mortem["what_if"]``).
+    ``oom_rank<R>_step<N>.txt`` (step, phase, requested size, live memory by category, the ten largest live allocations
+    and where they were made, what would fit, what to change) are written before the error propagates unchanged. "What
+    would fit" is the what-if table (:func:`lightning_memtrace.what_if`) for the module and the batch it died on, at the
+    Trainer's precision and accumulation, against the device's memory (CUDA: its total; CPU: the physical RAM): one row
+    per remedy (predicted peak, bytes saved, fits, largest micro-batch, price, measured or formula), then the cheapest
+    combination that fits and its snippet. It runs on fake tensors (no real memory; the module's parameters, gradients
+    and optimizer state are not touched) within ``what_if_budget_s``; remedies it would not reach in time are named in
+    one line, as is a failure. With the table, the advice under "what to change" is only what points at a category
+    holding at least 5% of live memory. The pickle's header has it all as data (``post_mortem["what_if"]``).
 
     Args:
         dirpath: Folder for the files. Default: ``<trainer.log_dir>/memtrace``.

@@ -407,7 +407,10 @@ def load_snapshot(
             raise SnapshotError(f"{where}: no such file")
         if path.is_dir():
             raise SnapshotError(f"{where}: is a directory, not a snapshot file")
-        mode = path.stat().st_mode
+        try:
+            mode = path.stat().st_mode
+        except OSError as error:
+            raise SnapshotError(f"{where}: cannot read ({_one_line(error.strerror or str(error))})") from None
         if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
             # a device reads without end (/dev/zero) or not at all; a pipe (<(zcat ...)) is read, its head checked
             raise SnapshotError(f"{where}: not a regular file (a device or socket), not a snapshot file")

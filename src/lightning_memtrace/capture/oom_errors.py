@@ -15,8 +15,8 @@ _UNIT_FACTORS = {"B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3, "TiB": 102
 
 def is_out_of_memory(exception: BaseException, device: torch.device | str | None = None) -> bool:
     """True for a CUDA ``OutOfMemoryError``, for the CPU allocator's "can't allocate memory" ``RuntimeError``, and,
-    where the measured ``device`` is the CPU (or not given), for any ``MemoryError``: Python, numpy and the C library
-    raise it when host memory runs out, which is the device's memory there (on an accelerator it is not, and only a
+    where the measured ``device`` is the CPU (or not given), for any ``MemoryError``: Python and numpy raise it when an
+    allocation of host memory fails, which is the device's memory there (on an accelerator it is not, and only a
     message naming an out-of-memory counts)."""
     oom_type = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", None)
     if oom_type is not None and isinstance(exception, oom_type):
