@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import gzip
 import io
+import pickle
 import random
 import time
+import zipfile
 from contextlib import redirect_stderr
 from pathlib import Path
 
@@ -63,6 +65,14 @@ def test_mutated_snapshots_never_crash_loader_or_replay(tmp_path):
     seeds = [_memtrace_snapshot(tmp_path)]
     seeds += [(FIXTURES / name).read_bytes() for name in SEEDS if (FIXTURES / name).is_file()]
     seeds.append(gzip.compress(seeds[0]))
+    saved = io.BytesIO()
+    torch.save(pickle.loads(seeds[0]), saved)  # MemTrace's own snapshot: plain data, as torch.save writes it
+    seeds.append(saved.getvalue())
+    deflated = io.BytesIO()  # the same archive compressed, as a zip tool would rewrite it
+    with zipfile.ZipFile(io.BytesIO(seeds[-1])) as source, zipfile.ZipFile(deflated, "w", zipfile.ZIP_DEFLATED) as out:
+        for name in source.namelist():
+            out.writestr(name, source.read(name))
+    seeds.append(deflated.getvalue())
     rng = random.Random(1234)
     deadline = time.monotonic() + BUDGET_S
     outcomes = {"loaded": 0, "refused": 0}

@@ -232,6 +232,39 @@ def test_a_pipe_that_never_ends_is_refused_from_its_first_bytes(tmp_path: Path, 
     assert written[0] < 1024**2  # the pipe's buffer and the head, not the 8 GiB the size limit would allow
 
 
+def test_a_snapshot_saved_with_torch_save_loads(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    import zipfile
+
+    snapshot = {
+        "segments": [{"address": 4096, "total_size": 2048, "stream": 0, "device": 0, "blocks": []}],
+        "device_traces": [[{"action": "alloc", "addr": 4096, "size": 512, "stream": 0, "time_us": 1, "frames": []}]],
+    }
+    saved = tmp_path / "snapshot.pt"
+    torch.save(snapshot, saved)
+    loaded = load_snapshot(saved)
+    assert loaded.container == "torch.save" and loaded.num_events == 1
+    assert loaded.segments[0]["total_size"] == 2048 and loaded.device_traces[0][0]["size"] == 512
+    assert load_snapshot(saved.read_bytes()).num_events == 1
+    # a torch.save file with a tensor in it names torch's tensor rebuilder: refused, nothing restored
+    with_tensor = tmp_path / "checkpoint.pt"
+    torch.save({"segments": [], "weight": torch.zeros(3)}, with_tensor)
+    with pytest.raises(SnapshotError, match="asks for the Python object torch._utils._rebuild_tensor_v2"):
+        load_snapshot(with_tensor)
+    # any other zip archive, and a data.pkl that inflates past the size limit, are one line each
+    other = tmp_path / "other.zip"
+    with zipfile.ZipFile(other, "w") as archive:
+        archive.writestr("readme.txt", "hello")
+    with pytest.raises(SnapshotError, match=r": a zip archive, not a memory snapshot \(nor a torch.save file\)$"):
+        load_snapshot(other)
+    bomb = tmp_path / "bomb.pt"
+    with zipfile.ZipFile(bomb, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr("archive/data.pkl", bytes(4 * 1024**2))
+    assert bomb.stat().st_size < 64 * 1024
+    with pytest.raises(SnapshotError, match=r": its data.pkl is 4.0 MiB, over the size limit of 1.0 MiB \(raise it"):
+        load_snapshot(bomb, max_bytes=1024**2)
+
+
 def test_foreign_object_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "foreign.pkl"
     path.write_bytes(pickle.dumps({"segments": [Foreign()], "device_traces": []}))

@@ -2,8 +2,9 @@
 
 A snapshot is a pickle written by ``torch.cuda.memory._dump_snapshot`` (the dict format with ``segments`` and
 ``device_traces``), by the older ``torch.cuda.memory_snapshot()`` (a bare list of segments), by MemTrace (the dict
-format plus a ``"memtrace"`` key and per-event ``category``/``user_metadata``), possibly gzip-compressed, or embedded
-as base64 in the HTML page that ``torch.cuda._memory_viz`` writes.
+format plus a ``"memtrace"`` key and per-event ``category``/``user_metadata``), possibly gzip-compressed, embedded
+as base64 in the HTML page that ``torch.cuda._memory_viz`` writes, or saved with ``torch.save`` (a zip archive whose
+``data.pkl`` is the snapshot's pickle).
 
 Snapshots come from other people: they are unpickled by :class:`RestrictedUnpickler`, which builds plain containers
 and scalars only and refuses any pickle that names a Python object (which is how a pickle runs code). Every bad input
@@ -20,6 +21,7 @@ import os
 import pickle
 import re
 import stat
+import zipfile
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -84,7 +86,7 @@ class Snapshot:
     Attributes:
         data: ``{"segments": [...], "device_traces": [[...], ...], ...}``; every other key of the file is kept.
         path: Where it was read from.
-        container: How it was stored: ``"pickle"``, ``"gzip"`` or ``"html"``.
+        container: How it was stored: ``"pickle"``, ``"gzip"``, ``"html"`` or ``"torch.save"``.
         layout: ``"dict"`` (current format) or ``"segment-list"`` (the old bare list of segments, no trace).
     """
 
@@ -147,17 +149,60 @@ def _describe_magic(head: bytes) -> str | None:
     return None
 
 
+#: The first bytes of a zip archive, which ``torch.save`` writes.
+_ZIP_MAGIC = b"PK\x03\x04"
+#: What ``zipfile`` raises for a corrupt archive (its headers' numbers are read as they stand).
+_CORRUPT_ZIP_ERRORS = (
+    zipfile.BadZipFile,
+    zipfile.LargeZipFile,
+    zlib.error,
+    NotImplementedError,
+    EOFError,
+    OSError,
+    ValueError,
+    OverflowError,
+    RuntimeError,  # an encrypted entry
+)
+
+
+def _pickle_saved_by_torch(raw: bytes, where: str, max_bytes: int) -> bytes:
+    """The pickle inside a ``torch.save`` archive (its one ``<name>/data.pkl``), read within ``max_bytes``.
+
+    A snapshot saved so holds no tensors: a pickle that holds one (it names torch's rebuild functions) is refused when
+    unpickled, as any other.
+    """
+    try:
+        with zipfile.ZipFile(io.BytesIO(raw)) as archive:
+            names = [info for info in archive.infolist() if info.filename.rsplit("/", 1)[-1] == "data.pkl"]
+            if len(names) != 1:
+                raise SnapshotError(f"{where}: a zip archive, not a memory snapshot (nor a torch.save file)")
+            if names[0].file_size > max_bytes:
+                raise SnapshotError(
+                    f"{where}: its data.pkl is {format_bytes(names[0].file_size)}, over the size limit of "
+                    f"{format_bytes(max_bytes)} (raise it with max_bytes / --max-bytes)"
+                )
+            with archive.open(names[0]) as member:
+                data = member.read(max_bytes + 1)
+    except SnapshotError:
+        raise
+    except _CORRUPT_ZIP_ERRORS as error:
+        raise SnapshotError(f"{where}: corrupt zip archive ({_one_line(str(error))})") from None
+    if len(data) > max_bytes:
+        raise SnapshotError(f"{where}: its data.pkl is over the size limit of {format_bytes(max_bytes)}")
+    return data
+
+
 #: What a file that is none of the containers a snapshot comes in is told.
 _NOT_A_SNAPSHOT_FILE = "not a pickle (nor gzip, nor memory_viz HTML)"
 #: First bytes of each container a snapshot comes in: a pickle (protocol 2 and above; 0 and 1 open a dict, a list or a
 #: mark), gzip, and HTML (after any whitespace).
-_CONTAINER_HEADS = (b"\x80", b"}", b"]", b"(", b"\x1f\x8b", b"<")
+_CONTAINER_HEADS = (b"\x80", b"}", b"]", b"(", b"\x1f\x8b", b"<", _ZIP_MAGIC)
 
 
 def _refuse_foreign_head(head: bytes, where: str) -> None:
     """Refuse a file from its first bytes where they are none of a snapshot's containers, before reading the rest (a
     multi-GB file of something else, a pipe that never ends)."""
-    what = _describe_magic(head[:16])
+    what = None if head.startswith(_ZIP_MAGIC) else _describe_magic(head[:16])
     if what is not None:
         raise SnapshotError(f"{where}: {what}, not a memory snapshot")
     if head and not head.lstrip().startswith(_CONTAINER_HEADS):
@@ -431,6 +476,9 @@ def load_snapshot(
         container = "gzip"
         if not raw:
             raise SnapshotError(f"{where}: empty file inside the gzip")
+    if raw.startswith(_ZIP_MAGIC):
+        raw = _pickle_saved_by_torch(raw, where, max_bytes)
+        container = "torch.save"
     head = raw[:512].lstrip()
     if head[:1] == b"<" and (b"<html" in head.lower() or b"<!doctype" in head.lower() or b"<script" in raw[:4096]):
         raw = _extract_from_html(raw, where, max_bytes)
