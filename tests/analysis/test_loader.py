@@ -9,6 +9,7 @@ import os
 import pickle
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -226,10 +227,65 @@ def test_a_pipe_that_never_ends_is_refused_from_its_first_bytes(tmp_path: Path, 
     writer = threading.Thread(target=endless_writer, daemon=True)
     writer.start()
     with pytest.raises(SnapshotError, match="not a pickle"):
-        load_snapshot(pipe)
+        _load_within(pipe, seconds=60)
     writer.join(timeout=10)
     assert not writer.is_alive()
     assert written[0] < 1024**2  # the pipe's buffer and the head, not the 8 GiB the size limit would allow
+
+
+def _load_within(pipe: Path, seconds: float) -> Any:
+    """``load_snapshot(pipe)``, failing (never hanging) where the loader waits on the pipe longer than ``seconds``:
+    an open of a pipe with no writer left waits for ever; a writer opened here and closed at once releases it."""
+    import threading
+
+    outcome: dict[str, Any] = {}
+
+    def load() -> None:
+        try:
+            outcome["value"] = load_snapshot(pipe)
+        except BaseException as error:  # noqa: BLE001 - handed to the test's thread
+            outcome["error"] = error
+
+    loader = threading.Thread(target=load, daemon=True)
+    loader.start()
+    loader.join(timeout=seconds)
+    if loader.is_alive():
+        with open(pipe, "wb"):
+            pass
+        loader.join(timeout=10)
+        pytest.fail(f"load_snapshot waited on the pipe for over {seconds} s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes")
+def test_a_pipe_is_opened_once_and_its_snapshot_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second open of a named pipe waits for a writer that already left: the loader opens it once."""
+    import builtins
+    import threading
+
+    from lightning_memtrace.analysis import loader as loader_module
+
+    snapshot = {"segments": [], "device_traces": [[{"action": "alloc", "addr": 1, "size": 512, "frames": []}]]}
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    opened: list[str] = []
+
+    def counting_open(file: Any, *args: Any, **kwargs: Any) -> Any:
+        opened.append(str(file))
+        return builtins.open(file, *args, **kwargs)
+
+    monkeypatch.setattr(loader_module, "open", counting_open, raising=False)
+
+    def writer() -> None:
+        with open(pipe, "wb") as handle:
+            handle.write(pickle.dumps(snapshot, protocol=4))
+
+    threading.Thread(target=writer, daemon=True).start()
+    loaded = _load_within(pipe, seconds=60)
+    assert loaded.num_events == 1 and loaded.device_traces[0][0]["size"] == 512
+    assert opened == [str(pipe)]
 
 
 def test_a_snapshot_saved_with_torch_save_loads(tmp_path: Path) -> None:

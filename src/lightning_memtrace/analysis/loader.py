@@ -459,7 +459,8 @@ def load_snapshot(
         if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
             # a device reads without end (/dev/zero) or not at all; a pipe (<(zcat ...)) is read, its head checked
             raise SnapshotError(f"{where}: not a regular file (a device or socket), not a snapshot file")
-        if progress is None:
+        if progress is None and stat.S_ISREG(mode):
+            # a pipe is opened once: a second open waits for a writer that left when the first open closed
             value = _unpickle_plain_file(path, max_bytes, where)
             if value is not _NOT_PLAIN:
                 data, layout = normalize(value, where)
