@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import pickle
+import warnings
 from pathlib import Path
 
 import pytest
@@ -162,6 +163,36 @@ def test_log_metrics_false_logs_nothing(tmp_path):
             log_every_n_steps=1).fit(LoggedMLP())
     assert logger.steps_with("loss") == [0, 1, 2]
     assert logger.memtrace_calls() == []
+
+
+def test_trainer_logged_metrics_are_as_without_memtrace(tmp_path):
+    """The loggers get MemTrace's metrics; ``trainer.logged_metrics`` holds what it holds without MemTrace."""
+    logged = {}
+    for name, callbacks in (("plain", []), ("memtrace", [MemTrace(dirpath=tmp_path / "mt", report=False)])):
+        logger = RecordingLogger()
+        fitted = trainer(tmp_path / name, callbacks, max_steps=4, logger=logger, log_every_n_steps=1)
+        fitted.fit(LoggedMLP())
+        logged[name] = (set(fitted.logged_metrics), len(logger.memtrace_calls()), logger.steps_with("loss"))
+    assert logged["plain"][0] == logged["memtrace"][0] == {"loss"}
+    assert logged["plain"][1] == 0 and logged["memtrace"][1] == 4
+    assert logged["plain"][2] == logged["memtrace"][2] == [0, 1, 2, 3]
+
+
+class WarningMLP(LoggedMLP):
+    def training_step(self, batch, batch_idx):
+        warnings.warn("the user's own warning, shown once by Python's default filter")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_warning_python_shows_once_is_shown_once(tmp_path):
+    """MemTrace reads the allocator's reports several times a step without touching the warning filters (a change to
+    them makes Python forget which warnings it showed once, and the user's would show at every step)."""
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("default")
+        trainer(tmp_path, [MemTrace(dirpath=tmp_path / "mt", report=False)], max_steps=6).fit(WarningMLP())
+    ours = [w for w in shown if "the user's own warning" in str(w.message)]
+    assert len(ours) == 1
+    assert len(load_phases(tmp_path / "mt")) == 6 * 5  # MemTrace recorded every step meanwhile
 
 
 # ------------------------------------------------------------------------------------------------ validation

@@ -96,7 +96,8 @@ class MemTrace(Callback):
     step Lightning logs its own metrics at (the count of batches that stepped), one call per logged step. Values are
     in MiB (1024-based), ``_max_rank`` excepted. Counters: ``allocated``, ``reserved``, ``peak``, ``parameters``,
     ``gradients``, ``optimizer_state``, ``activations``, ``inputs``, ``other``, ``unsharded_parameters``,
-    ``unsharded_gradients``.
+    ``unsharded_gradients``. ``trainer.logged_metrics`` is left as it would be without MemTrace (the loggers get the
+    metrics, the Trainer's record of what it logged keeps only its own).
 
     - ``memtrace/<phase>/<counter>`` (MiB) for the training phases ``batch_start`` to ``batch_end``: at
       ``on_train_batch_end`` of the batches after which Lightning logs its own step metrics (every

@@ -17,12 +17,14 @@ into the report stream where a row was taken, so that the row reads the bytes of
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import threading
 import time
 import warnings
 import weakref
 from collections import deque
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -35,6 +37,33 @@ from lightning_memtrace.types import Frame
 #: (time in Unix nanoseconds, address, signed size: positive for an allocation, negative for a free)
 AllocatorEvent = tuple[int, int, int]
 
+
+
+#: How torch's warning starts that an out-of-memory report has no kineto event to pair with (the session traces no
+#: CPU operators): it says nothing about the user's run.
+_PAIRING_WARNING = "Failed to recover relationship between all profiler"
+
+
+@contextlib.contextmanager
+def pairing_warning_dropped() -> Iterator[None]:
+    """Drop torch's pairing warning (raised as a Python warning when the C++ call returns), show every other one.
+
+    ``warnings.catch_warnings`` and ``filterwarnings`` would do it too, but each change to the filters resets the
+    record of warnings already shown once: a warning of the user's that Python shows once would show at every drain,
+    several times a step. Showing goes through ``warnings.showwarning``, which is swapped for the call instead.
+    """
+    shown_before = warnings.showwarning
+
+    def show_unless_pairing(message: Any, category: Any, filename: Any, lineno: Any, *args: Any, **kwargs: Any) -> None:
+        if not str(message).startswith(_PAIRING_WARNING):
+            shown_before(message, category, filename, lineno, *args, **kwargs)
+
+    warnings.showwarning = show_unless_pairing
+    try:
+        yield
+    finally:
+        if warnings.showwarning is show_unless_pairing:  # unless someone else swapped it meanwhile
+            warnings.showwarning = shown_before
 
 class ReportColumns(NamedTuple):
     """Reports as three columns, oldest first (no tuple per report: there are thousands per training step)."""
@@ -212,10 +241,7 @@ class AllocatorReports:
             self._closed()
             raise SessionLost("another profiler took over the profiling session")
         with gc_paused():
-            with self._native.kineto_silenced(), self._native.c10_silenced(), warnings.catch_warnings():
-                # An out-of-memory report has no kineto event to pair with (the session traces no CPU operators):
-                # torch warns about exactly that, in C++ or as a Python warning.
-                warnings.filterwarnings("ignore", message="Failed to recover relationship between all profiler")
+            with self._native.kineto_silenced(), self._native.c10_silenced(), pairing_warning_dropped():
                 result = self._session.disable()
             if reopen:
                 self._open()

@@ -41,12 +41,24 @@ def lightning_logs_now(trainer: pl.Trainer) -> bool:
 
 
 def log_to_loggers(trainer: pl.Trainer, metrics: dict[str, float], step: int) -> None:
-    """Log through Lightning's own path, as its built-in callbacks do; a logger's exception propagates unchanged."""
+    """Log through Lightning's own path, as its built-in callbacks do; a logger's exception propagates unchanged.
+
+    The loggers get the metrics; ``trainer.logged_metrics`` is left as it was, so code that reads it (a user's
+    callback, a test of the keys a module logs) sees what it saw without MemTrace.
+    """
     if not metrics or not trainer.loggers:
         return
-    log_metrics = getattr(getattr(trainer, "_logger_connector", None), "log_metrics", None)
+    connector = getattr(trainer, "_logger_connector", None)
+    log_metrics = getattr(connector, "log_metrics", None)
     if callable(log_metrics):
-        log_metrics(metrics, step=step)  # every logger: log_metrics(metrics=..., step=...), then save()
+        kept = getattr(connector, "_logged_metrics", None)
+        logged_before = dict(kept) if isinstance(kept, dict) else None
+        try:
+            log_metrics(metrics, step=step)  # every logger: log_metrics(metrics=..., step=...), then save()
+        finally:
+            if logged_before is not None and isinstance(kept, dict):
+                kept.clear()
+                kept.update(logged_before)
         return
     for logger in trainer.loggers:
         logger.log_metrics(metrics=metrics, step=step)
