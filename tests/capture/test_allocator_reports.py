@@ -415,3 +415,41 @@ def test_blocks_made_at_an_address_handed_out_again_get_their_own_stacks():
     names = [{frame["name"] for frame in e["frames"]} for e in made_there[-2:]]
     assert "_made_by_first" in names[0] and "_made_by_second" not in names[0]
     assert "_made_by_second" in names[1] and "_made_by_first" not in names[1]
+
+
+PAIRING = "Failed to recover relationship between all profiler and kineto events: 1 vs. 0 reconstructed: 0"
+
+
+def _warn_here(text: str) -> None:
+    warnings.warn(text, UserWarning, stacklevel=1)  # one location for every call: Python's once-record applies
+
+
+def test_pairing_warning_is_dropped_and_every_other_shown_without_touching_the_filters():
+    from lightning_memtrace.capture.reports_backend import pairing_warning_dropped
+
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("default")
+        filters = list(warnings.filters)
+        showing = warnings.showwarning
+        _warn_here("the user's warning")
+        with pairing_warning_dropped():
+            _warn_here(PAIRING)
+            _warn_here("another warning of the user's")
+            _warn_here("the user's warning")  # shown once already: stays shown once
+        assert warnings.showwarning is showing
+        _warn_here("the user's warning")
+        assert warnings.filters == filters
+    assert [str(w.message) for w in shown] == ["the user's warning", "another warning of the user's"]
+
+
+def test_pairing_warning_under_an_error_filter_neither_raises_nor_hides_other_errors():
+    from lightning_memtrace.capture.reports_backend import pairing_warning_dropped
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        before = list(warnings.filters)
+        with pairing_warning_dropped():
+            _warn_here(PAIRING)  # would end torch's call with its result lost
+            with pytest.raises(UserWarning, match="the user's"):
+                _warn_here("the user's warning")
+        assert warnings.filters == before

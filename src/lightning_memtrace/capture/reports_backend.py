@@ -44,14 +44,31 @@ AllocatorEvent = tuple[int, int, int]
 _PAIRING_WARNING = "Failed to recover relationship between all profiler"
 
 
+def _raises_pairing_warning(entry: tuple) -> bool:
+    action, message, category = entry[0], entry[1], entry[2]
+    return (
+        action == "error"
+        and (message is None or bool(message.match(_PAIRING_WARNING)))
+        and isinstance(category, type)
+        and issubclass(UserWarning, category)
+    )
+
+
 @contextlib.contextmanager
 def pairing_warning_dropped() -> Iterator[None]:
     """Drop torch's pairing warning (raised as a Python warning when the C++ call returns), show every other one.
 
     ``warnings.catch_warnings`` and ``filterwarnings`` would do it too, but each change to the filters resets the
     record of warnings already shown once: a warning of the user's that Python shows once would show at every drain,
-    several times a step. Showing goes through ``warnings.showwarning``, which is swapped for the call instead.
+    several times a step. Showing goes through ``warnings.showwarning``, which is swapped for the call instead. Where
+    a filter turns such a warning into an error (``-W error``), the error would end the call and lose its result
+    before anything is shown: the filters are changed for the call then, as the lesser harm.
     """
+    if any(_raises_pairing_warning(entry) for entry in warnings.filters):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_PAIRING_WARNING)
+            yield
+        return
     shown_before = warnings.showwarning
 
     def show_unless_pairing(message: Any, category: Any, filename: Any, lineno: Any, *args: Any, **kwargs: Any) -> None:
