@@ -195,6 +195,23 @@ def test_a_warning_python_shows_once_is_shown_once(tmp_path):
     assert len(load_phases(tmp_path / "mt")) == 6 * 5  # MemTrace recorded every step meanwhile
 
 
+class StartWarningMLP(LoggedMLP):
+    def on_train_start(self):
+        warnings.warn("the user's warning at every fit's start, shown once by Python's default filter")
+
+
+def test_the_report_at_fit_end_keeps_warnings_shown_once_shown_once(tmp_path):
+    """The report (pandas, matplotlib: they change the warning filters inside their calls) makes Python forget no
+    warning it showed once: the next fit's shows not again."""
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("default")
+        for fit in range(2):
+            callback = MemTrace(dirpath=tmp_path / f"mt{fit}")
+            trainer(tmp_path / str(fit), [callback], max_steps=2).fit(StartWarningMLP())
+            assert callback.report_path is not None and callback.report_path.is_file()
+    assert len([w for w in shown if "at every fit's start" in str(w.message)]) == 1
+
+
 # ------------------------------------------------------------------------------------------------ validation
 class CountValidationRuns(pl.Callback):
     def __init__(self) -> None:

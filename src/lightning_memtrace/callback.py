@@ -25,6 +25,7 @@ from lightning_memtrace.capture.recorder import MemoryRecorder, new_run_id
 from lightning_memtrace.capture.reports_backend import track_every_cpu_block
 from lightning_memtrace.files import MEMTRACE_DIR
 from lightning_memtrace.trainer import extras, ranks
+from lightning_memtrace.trainer.shown_once import shown_once_kept
 from lightning_memtrace.trainer.cadence import (
     RowMaxima,
     accumulating,
@@ -354,7 +355,8 @@ class MemTrace(Callback):
     @_guarded
     def _begin_train_batch(self, trainer: pl.Trainer, batch: Any, batch_idx: int) -> None:
         if self.estimate and self.estimated is None and trainer.lightning_module.automatic_optimization:
-            self.estimated, self._estimate_metrics = extras.estimate_run(trainer, batch)
+            with shown_once_kept():
+                self.estimated, self._estimate_metrics = extras.estimate_run(trainer, batch)
             if self.estimated:
                 self._first_batch = extras.batch_shapes(batch)
         if self.recorder is not None:
@@ -481,12 +483,15 @@ class MemTrace(Callback):
     @_guarded
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._finish()
-        self.estimate_comparison = extras.compare_with_run(self.estimated, self.output_dir, self._rank)
-        if self.estimated and self._first_batch is not None:
-            budget = self.config.what_if_budget_s
-            self.what_if_path = extras.write_what_if(trainer, self._first_batch, self.output_dir, self._rank, budget)
-        if self.report and trainer.is_global_zero:
-            self.report_path = extras.write_fit_report(trainer, self.output_dir) or self.report_path
+        with shown_once_kept():
+            self.estimate_comparison = extras.compare_with_run(self.estimated, self.output_dir, self._rank)
+            if self.estimated and self._first_batch is not None:
+                budget = self.config.what_if_budget_s
+                self.what_if_path = extras.write_what_if(
+                    trainer, self._first_batch, self.output_dir, self._rank, budget
+                )
+            if self.report and trainer.is_global_zero:
+                self.report_path = extras.write_fit_report(trainer, self.output_dir) or self.report_path
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -494,17 +499,18 @@ class MemTrace(Callback):
         try:
             recorder = self.recorder
             if recorder is not None and is_out_of_memory(exception, recorder.device):
-                batch = recorder.batch if recorder.batch is not None else self._first_batch
-                budget = self.config.what_if_budget_s
-                paths = recorder.write_post_mortem(
-                    exception, announce=False, what_if=lambda pm: extras.what_if_after_oom(trainer, batch, budget)
-                )
-                self._finish_quietly()  # the CSV is closed and whole before the report reads it
-                report = None
-                if paths and self.report and trainer.is_global_zero:
-                    report = extras.write_fit_report(trainer, self.output_dir, log_image=False)
-                    self.report_path = report or self.report_path
-                recorder.announce_post_mortem(paths, report)
+                with shown_once_kept():
+                    batch = recorder.batch if recorder.batch is not None else self._first_batch
+                    budget = self.config.what_if_budget_s
+                    paths = recorder.write_post_mortem(
+                        exception, announce=False, what_if=lambda pm: extras.what_if_after_oom(trainer, batch, budget)
+                    )
+                    self._finish_quietly()  # the CSV is closed and whole before the report reads it
+                    report = None
+                    if paths and self.report and trainer.is_global_zero:
+                        report = extras.write_fit_report(trainer, self.output_dir, log_image=False)
+                        self.report_path = report or self.report_path
+                    recorder.announce_post_mortem(paths, report)
         except Exception as error:
             rank_zero_warn(f"MemTrace could not write the post-mortem: {error!r}")
         finally:
