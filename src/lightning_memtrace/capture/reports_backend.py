@@ -38,7 +38,6 @@ from lightning_memtrace.types import Frame
 AllocatorEvent = tuple[int, int, int]
 
 
-
 #: How torch's warning starts that an out-of-memory report has no kineto event to pair with (the session traces no
 #: CPU operators): it says nothing about the user's run.
 _PAIRING_WARNING = "Failed to recover relationship between all profiler"
@@ -81,6 +80,7 @@ def pairing_warning_dropped() -> Iterator[None]:
     finally:
         if warnings.showwarning is show_unless_pairing:  # unless someone else swapped it meanwhile
             warnings.showwarning = shown_before
+
 
 class ReportColumns(NamedTuple):
     """Reports as three columns, oldest first (no tuple per report: there are thousands per training step)."""
