@@ -25,7 +25,6 @@ from lightning_memtrace.capture.recorder import MemoryRecorder, new_run_id
 from lightning_memtrace.capture.reports_backend import track_every_cpu_block
 from lightning_memtrace.files import MEMTRACE_DIR
 from lightning_memtrace.trainer import extras, ranks
-from lightning_memtrace.trainer.shown_once import shown_once_kept
 from lightning_memtrace.trainer.cadence import (
     RowMaxima,
     accumulating,
@@ -34,6 +33,7 @@ from lightning_memtrace.trainer.cadence import (
     log_to_loggers,
     profiles_with_torch,
 )
+from lightning_memtrace.trainer.shown_once import shown_once_kept
 from lightning_memtrace.types import PhaseRecord
 
 _F = TypeVar("_F", bound=Callable[..., Any])
