@@ -8,6 +8,7 @@ import json
 import os
 import pickle
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -207,8 +208,6 @@ def test_a_device_is_refused_without_reading_it() -> None:
 @pytest.mark.parametrize("head", [b"\x00", b"name,value\n"])
 def test_a_pipe_that_never_ends_is_refused_from_its_first_bytes(tmp_path: Path, head: bytes) -> None:
     """``memtrace summary <(cat /dev/zero)``: the loader reads the head, sees no snapshot container, and stops."""
-    import threading
-
     pipe = tmp_path / "pipe"
     os.mkfifo(pipe)
     written = [0]
@@ -236,8 +235,6 @@ def test_a_pipe_that_never_ends_is_refused_from_its_first_bytes(tmp_path: Path, 
 def _load_within(pipe: Path, seconds: float) -> Any:
     """``load_snapshot(pipe)``, failing (never hanging) where the loader waits on the pipe longer than ``seconds``:
     an open of a pipe with no writer left waits for ever; a writer opened here and closed at once releases it."""
-    import threading
-
     outcome: dict[str, Any] = {}
 
     def load() -> None:
@@ -263,8 +260,6 @@ def _load_within(pipe: Path, seconds: float) -> Any:
 def test_a_pipe_is_opened_once_and_its_snapshot_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A second open of a named pipe waits for a writer that already left: the loader opens it once."""
     import builtins
-    import threading
-
     from lightning_memtrace.analysis import loader as loader_module
 
     snapshot = {"segments": [], "device_traces": [[{"action": "alloc", "addr": 1, "size": 512, "frames": []}]]}

@@ -56,7 +56,7 @@ def log_to_loggers(trainer: pl.Trainer, metrics: dict[str, float], step: int) ->
         try:
             log_metrics(metrics, step=step)  # every logger: log_metrics(metrics=..., step=...), then save()
         finally:
-            if logged_before is not None and isinstance(kept, dict):
+            if logged_before is not None:
                 kept.clear()
                 kept.update(logged_before)
         return

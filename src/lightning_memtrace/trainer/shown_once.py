@@ -48,8 +48,6 @@ _AT_MOST_ONCE = frozenset({"ignore", "default", "module", "once"})
 
 
 def _record_still_right(before: list, after: list) -> bool:
-    if after == before:
-        return True
     if any(entry not in after for entry in before):
         return False
     return all(entry[0] in _AT_MOST_ONCE for entry in after if entry not in before)
