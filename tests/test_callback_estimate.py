@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 
 import pandas as pd
+import pytest
 
 from lightning.pytorch.loggers import CSVLogger
 from lightning_memtrace import MemTrace, what_if
 from lightning_memtrace.capture.storages import unique_storage_bytes
 from lightning_memtrace.estimator.budget import device_memory_bytes
-from lm_helpers import MLP, trainer
+from lm_helpers import MLP, TwoOptimizers, trainer
 
 
 def test_estimate_logged_and_compared_with_the_run(tmp_path):
@@ -60,3 +61,18 @@ def test_estimate_writes_what_would_fit(tmp_path):
     section = html[what_if_at:]
     assert all(remedy in section for remedy in direct.remedy)
     assert "to fit " in section and ": nothing to change" in section  # the combination line: the MLP fits as it is
+
+
+def test_estimate_under_manual_optimization_warns_once_and_measures(tmp_path):
+    callback = MemTrace(estimate=True, history=False, report=False)
+    with pytest.warns(UserWarning) as caught:
+        trainer(tmp_path, [callback], max_steps=4).fit(TwoOptimizers())
+    ours = [str(w.message) for w in caught if str(w.message).startswith("MemTrace")]
+    assert ours == [
+        "MemTrace could not estimate this run (ValueError: manual optimization is not supported by the estimate: use "
+        "automatic optimization); measuring only."
+    ]
+    assert callback.estimated is False and callback.what_if_path is None
+    phases = pd.read_csv(callback.output_dir / "phases_rank0.csv")
+    assert (phases.phase == "after_optimizer_step").sum() == 4  # two optimizer steps in each of two batches
+    assert not (callback.output_dir / "estimate_vs_measured_rank0.csv").exists()

@@ -175,7 +175,8 @@ class MemTrace(Callback):
             **Post-mortem**, within ``what_if_budget_s``), written as ``what_if_rank<R>.csv`` (one row per remedy:
             ``remedy``, ``peak_bytes``, ``saved_bytes``, ``fits``, ``max_micro_batch``, ``kind``, ``price``,
             ``<category>_bytes``; bytes) and ``what_if_rank<R>.json`` (also the combination, its snippet, the skipped
-            remedies), which the report shows as "What would fit". Automatic optimization only.
+            remedies), which the report shows as "What would fit". Automatic optimization only: under manual
+            optimization one warning says that no estimate is made.
         allocation_backend: How the CPU tracker sees allocations. ``"auto"`` (default): the CPU allocator's own
             reports, read through a profiler session that records nothing else (no Python work per operator; the
             dispatch mode runs only in the history window, for stacks), or the dispatch mode where that session
@@ -354,7 +355,7 @@ class MemTrace(Callback):
 
     @_guarded
     def _begin_train_batch(self, trainer: pl.Trainer, batch: Any, batch_idx: int) -> None:
-        if self.estimate and self.estimated is None and trainer.lightning_module.automatic_optimization:
+        if self.estimate and self.estimated is None:  # under manual optimization: one warning says why there is none
             with shown_once_kept():
                 self.estimated, self._estimate_metrics = extras.estimate_run(trainer, batch)
             if self.estimated:
