@@ -41,6 +41,7 @@ test-gpu: $(STAMP)
 benchmark: $(STAMP)
 	$(VPY) benchmarks/overhead.py
 	$(VPY) benchmarks/overhead_breakdown.py
+	$(VPY) benchmarks/overhead_floor.py
 
 clean:
 	rm -rf $(VENV) memtrace_demo build dist
