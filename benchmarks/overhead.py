@@ -200,21 +200,20 @@ def main() -> int:
         with TemporaryDirectory() as root:
             print(json.dumps(run(args.child, args, root)))
         return 0
-    variants = args.variants.split(",")
-    for threads in [int(t) for t in args.threads.split(",")]:
-        times: dict[str, list[list[float]]] = {v: [] for v in variants}
-        for round_index in range(args.rounds):
-            for variant in variants:
-                times[variant].append(run_isolated(variant, threads, args))
-        report(times, variants, args, threads)
+    measure_rounds(__file__, args.variants.split(","), args)
     return 0
 
 
-def run_isolated(variant: str, threads: int, args) -> list[float]:
-    """One run of ``variant`` in a process of its own: what a run leaves behind (a reference tool's profiler state, a
-    fragmented heap) must not slow the runs after it."""
-    times = run_child(__file__, variant, threads, args)
-    return times if times is not None else []
+def measure_rounds(script: str, variants: list[str], args) -> None:
+    """For each thread count asked for: every variant once per round, each by ``script --child`` in a process of its
+    own (what a run leaves behind, a reference tool's profiler state or a fragmented heap, must not slow the runs after
+    it), interleaved round by round; then the table."""
+    for threads in [int(t) for t in args.threads.split(",")]:
+        times: dict[str, list[list[float]]] = {v: [] for v in variants}
+        for _ in range(args.rounds):
+            for variant in variants:
+                times[variant].append(run_child(script, variant, threads, args) or [])
+        report(times, variants, args, threads)
 
 
 def run_child(script: str, variant: str, threads: int, args) -> Any:

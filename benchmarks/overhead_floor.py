@@ -8,8 +8,8 @@ each run in a process of its own:
 - plain: no callback
 - memtrace: ``MemTrace()`` defaults
 - reads_only: the defaults, but the reports read at each drain are not counted (the rows' marks are still reached,
-  so rows are written, with no bytes); what is left is torch closing, reopening and handing over the allocator's
-  reports, which every exact reading of them pays
+  so rows are written, with the bytes counted when MemTrace started); what is left is torch closing, reopening and
+  handing over the allocator's reports, which every exact reading of them pays
 - reads_only_no_naming: as ``reads_only``, and the rows name no storages either (no categories)
 
 The two cut-down variants write wrong numbers: they exist to show how much of the defaults' cost is MemTrace's own
@@ -47,12 +47,25 @@ def _defer_unnamed(self: rows.RowReader, place: rows.RowPlace) -> None:
     self.deferred.append(row)
 
 
+#: What each cut-down variant replaces: (class, method name, replacement).
+CUTS: dict[str, tuple[tuple[type, str, Any], ...]] = {
+    "reads_only": ((reports_backend.ReportsBackend, "apply_columns", _reach_marks_only),),
+    "reads_only_no_naming": (
+        (reports_backend.ReportsBackend, "apply_columns", _reach_marks_only),
+        (rows.RowReader, "defer", _defer_unnamed),
+    ),
+}
+
+
 def cut_down(variant: str) -> str:
-    """Patch MemTrace for a cut-down variant; returns the ``overhead.run`` variant to run."""
-    if variant in ("reads_only", "reads_only_no_naming"):
-        reports_backend.ReportsBackend.apply_columns = _reach_marks_only
-    if variant == "reads_only_no_naming":
-        rows.RowReader.defer = _defer_unnamed
+    """Patch MemTrace for a cut-down variant; returns the ``overhead.run`` variant to run.
+
+    Raises:
+        AttributeError: A method to replace is gone (renamed): the variant would otherwise time the full defaults.
+    """
+    for owner, name, replacement in CUTS.get(variant, ()):
+        getattr(owner, name)
+        setattr(owner, name, replacement)
     return "memtrace" if variant != "plain" else variant
 
 
@@ -64,13 +77,7 @@ def main() -> int:
         with TemporaryDirectory() as root:
             print(json.dumps(overhead.run(cut_down(args.child), args, root)))
         return 0
-    variants = args.variants.split(",")
-    for threads in [int(t) for t in args.threads.split(",")]:
-        times: dict[str, list[list[float]]] = {v: [] for v in variants}
-        for _ in range(args.rounds):
-            for variant in variants:
-                times[variant].append(overhead.run_child(__file__, variant, threads, args) or [])
-        overhead.report(times, variants, args, threads)
+    overhead.measure_rounds(__file__, args.variants.split(","), args)
     return 0
 
 

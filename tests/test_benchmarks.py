@@ -35,3 +35,30 @@ def test_overhead_breakdown_times_every_part():
     assert abs(values["floor"] - values["close"] - values["read"]) <= 0.011  # printed to 0.01 ms each
     # Minor page faults per step, plain and defaults (counts, never negative).
     assert re.search(r"^page faults\s+[\d,]+\s+[\d,]+\s+\(minor, per step", result.stdout, re.MULTILINE)
+
+
+def test_overhead_floor_cuts_what_it_says(tmp_path, monkeypatch):
+    """The cut-down variants replace methods by name: each still exists, and with both cut the rows measure nothing."""
+    sys.path.insert(0, str(BREAKDOWN.parent))
+    try:
+        import overhead_floor
+    finally:
+        sys.path.remove(str(BREAKDOWN.parent))
+    import pandas as pd
+
+    from lightning_memtrace import MemTrace
+    from lm_helpers import MLP, trainer
+
+    assert set(overhead_floor.CUTS) == set(overhead_floor.VARIANTS) - {"plain", "memtrace"}
+    for owner, name, replacement in overhead_floor.CUTS["reads_only_no_naming"]:
+        assert callable(getattr(owner, name)), name
+        monkeypatch.setattr(owner, name, replacement)
+    callback = MemTrace(history=False, report=False)
+    trainer(tmp_path, [callback], max_steps=3).fit(MLP())
+    assert callback.tracker_backend == "reports"
+    phases = pd.read_csv(callback.output_dir / "phases_rank0.csv")
+    assert len(phases) == 15  # 5 phases in each of 3 steps
+    # Nothing is counted after the start, and no storage is named.
+    assert phases.allocated_bytes.nunique() == 1 and (phases.peak_bytes == phases.allocated_bytes).all()
+    categories = ["parameters", "gradients", "optimizer_state", "activations", "inputs"]
+    assert (phases[[f"{c}_bytes" for c in categories]] == 0).all().all()
