@@ -1,4 +1,4 @@
-"""The breakdown benchmark still finds every part it times (it wraps MemTrace's internals by name)."""
+"""The benchmarks still reach what they time or cut (they wrap and replace MemTrace's internals by name)."""
 
 from __future__ import annotations
 
