@@ -96,6 +96,9 @@ def estimate(
     target, fake_device = _devices(module, device)
     emulate_cuda = target.type == "cuda" and fake_device.type != "cuda"
     lightning = _is_lightning_module(module)
+    if lightning and not getattr(module, "automatic_optimization", True):
+        # Before the fake copy and configure_optimizers: for a large model those take a while.
+        raise ValueError("manual optimization is not supported by the estimate: use automatic optimization")
 
     world_size = check_world_size(world_size)
     world = fake_world(world_size, fake_device.type) if world_size > 1 else contextlib.nullcontext()
@@ -279,8 +282,6 @@ def _build_optimizer(
     if target.type == "cuda":
         # torch picks foreach kernels for plain CUDA tensors only; fake tensors would get the single-tensor path.
         _use_cuda_defaults(optimizer)
-    if lightning and not getattr(model, "automatic_optimization", True):
-        raise ValueError("manual optimization is not supported by the estimate: use automatic optimization")
     return optimizer
 
 
