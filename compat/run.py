@@ -59,6 +59,10 @@ UNSUPPORTED = {
 }
 #: Everything else the smoke subset needs (newest that pip resolves with the pins).
 OTHERS = ["pandas", "numpy", "plotly", "matplotlib", "rich", "pytest", "tensorboard", "typing_extensions"]
+#: The lower bounds of pyproject.toml for the libraries beside torch, Lightning and transformers, pinned together in a
+#: combination of their own (plotly 5.5 brought ``to_html(div_id=...)``; rich before 12.5 draws headerless tables with
+#: another border).
+OLDEST_OTHERS = ("pandas==1.5.3", "numpy==1.23.5", "plotly==5.5.0", "matplotlib==3.6.3", "rich==12.5.0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,10 +72,13 @@ class Combination:
     transformers: str
     #: Why this combination is known not to work (outside the supported range): its failure does not fail the run.
     unsupported: str = ""
+    #: Pins for the other libraries (default: the newest of each).
+    others: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
-        return f"torch{self.torch}-lightning{self.lightning}-transformers{self.transformers}"
+        name = f"torch{self.torch}-lightning{self.lightning}-transformers{self.transformers}"
+        return name + "-oldest-libraries" if self.others else name
 
     @property
     def folder(self) -> str:
@@ -79,7 +86,8 @@ class Combination:
 
     def requirements(self) -> list[str]:
         pins = [f"torch=={self.torch}", f"lightning=={self.lightning}", f"transformers=={self.transformers}"]
-        return pins + OTHERS
+        pinned = {re.split(r"[=<>]", pin)[0] for pin in self.others}
+        return pins + list(self.others) + [name for name in OTHERS if name not in pinned]
 
 
 def _minor(version: str) -> tuple[int, int]:
@@ -89,7 +97,8 @@ def _minor(version: str) -> tuple[int, int]:
 
 def combinations() -> list[Combination]:
     """Every torch with the newest Lightning (and transformers 5 where it supports that torch, else 4); every
-    Lightning minor with torch 2.13; transformers 4 with torch 2.13 and the oldest Lightning; all oldest together."""
+    Lightning minor with torch 2.13; transformers 4 with torch 2.13 and the oldest Lightning; all oldest together; the
+    oldest of the other libraries with torch 2.13 and the newest Lightning and transformers."""
     out = [
         Combination(t, LIGHTNING_NEWEST, TRANSFORMERS_5 if _minor(t) >= (2, 6) else TRANSFORMERS_4,
                     UNSUPPORTED.get(t, ""))
@@ -101,6 +110,7 @@ def combinations() -> list[Combination]:
         Combination("2.13.0+cpu", "2.4.0", TRANSFORMERS_4),
         Combination(OLDEST_TORCH, "2.4.0", TRANSFORMERS_4),
         Combination("2.13.0+cpu", LIGHTNING_NEWEST, TRANSFORMERS_5_NEWEST),
+        Combination("2.13.0+cpu", LIGHTNING_NEWEST, TRANSFORMERS_5_NEWEST, others=OLDEST_OTHERS),
     ]
     return out
 
@@ -244,8 +254,9 @@ def markdown(results: list[Result]) -> str:
     ]
     for r in results:
         detail = r.detail.replace("|", "\\|")
+        transformers = r.transformers + (" (oldest other libraries)" if r.name.endswith("-oldest-libraries") else "")
         lines.append(
-            f"| {r.torch} | {r.lightning} | {r.transformers} | {r.status} | {r.counting} "
+            f"| {r.torch} | {r.lightning} | {transformers} | {r.status} | {r.counting} "
             f"| {'reused' if r.reused else f'{r.install_s:.0f}'} "
             f"| {r.test_s:.0f} | {detail} |"
         )

@@ -68,10 +68,16 @@ def external_loads(page: str) -> list[str]:
     return finder.loads
 
 
+#: A ``Plotly.newPlot`` call of the page's own: on a div named by a string. plotly.js itself holds such calls in its
+#: messages (``Plotly.newPlot(gd, data, ...`` in plotly.js 2.27, bundled with plotly 5.18).
+PLOTLY_CALL = re.compile(r'Plotly\.newPlot\(\s*"')
+
+
 def plotly_data(page: str) -> list[dict[str, Any]]:
-    """The traces passed to ``Plotly.newPlot`` in the page."""
-    start = page.index("Plotly.newPlot(")
-    rest = page[start + len("Plotly.newPlot(") :]
+    """The traces passed to the page's first ``Plotly.newPlot`` call."""
+    call = PLOTLY_CALL.search(page)
+    assert call, "no Plotly.newPlot call"
+    rest = page[call.end() - 1 :]
     rest = rest[rest.index(",") + 1 :].lstrip()
     data, _ = json.JSONDecoder().raw_decode(rest)
     return data

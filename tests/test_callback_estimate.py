@@ -34,7 +34,9 @@ def test_estimate_logged_and_compared_with_the_run(tmp_path):
     html = (callback.output_dir / "report.html").read_text()
     assert "Estimate vs measured" in html
     metrics = pd.read_csv(f"{logger.log_dir}/metrics.csv")
-    assert metrics["memtrace/estimate/parameters"].dropna().iloc[0] * 1024**2 == pbytes
+    # MiB in the logger's CSV: exact to the byte once rounded (pandas before 2.0 reads floats with a faster parser that
+    # may miss the last bit).
+    assert round(metrics["memtrace/estimate/parameters"].dropna().iloc[0] * 1024**2) == pbytes
 
 
 def test_estimate_writes_what_would_fit(tmp_path):

@@ -124,6 +124,29 @@ def test_without_plotly_the_report_is_written_with_its_tables_and_a_note(tmp_pat
     assert f"{peak:,}" in page
 
 
+def test_writing_a_chart_leaves_the_warning_format_alone(tmp_path: Path, monkeypatch) -> None:
+    """plotly before 6.6 sets ``warnings.formatwarning`` for the whole process when ``to_html`` first imports
+    ``plotly.tools`` (checked with plotly 5.18 and 6.5); the report puts the user's back."""
+    import warnings
+
+    import plotly.io as pio
+
+    real_to_html = pio.to_html
+
+    def to_html_of_old_plotly(*args: Any, **kwargs: Any) -> str:
+        html = real_to_html(*args, **kwargs)
+        warnings.formatwarning = lambda message, category, filename, lineno, line=None: f"{category.__name__}:\n\n"
+        return html
+
+    monkeypatch.setattr(pio, "to_html", to_html_of_old_plotly)
+    users_format = warnings.formatwarning
+    path = tmp_path / "s.pickle"
+    path.write_bytes(pickle.dumps(_big_trace(50)))
+    page = write_report(path, tmp_path / "r.html").read_text(encoding="utf-8")
+    assert plotly_data(page)  # the chart was written through the patched to_html
+    assert warnings.formatwarning is users_format
+
+
 def _big_trace(n_pairs: int, seed: int = 0) -> dict[str, Any]:
     rng = np.random.default_rng(seed)
     sizes = rng.integers(512, 1 << 24, size=n_pairs)

@@ -4,6 +4,7 @@ pivot, the ranks section and a plotly chart."""
 from __future__ import annotations
 
 import json
+import warnings
 from typing import Any
 
 import pandas as pd
@@ -17,7 +18,7 @@ from lightning_memtrace.units import format_bytes
 
 
 #: plotly is optional (the ``report`` extra): without it the report is written with its tables and no chart.
-PLOTLY_AVAILABLE = RequirementCache("plotly>=5.0")
+PLOTLY_AVAILABLE = RequirementCache("plotly>=5.5")  # to_html(div_id=...) came in 5.5
 NO_PLOTLY_NOTE = (
     '<p class="meta">No interactive chart: it needs plotly (<code>pip install "lightning-memtrace[report]"</code>). '
     "The tables hold the same figures.</p>"
@@ -31,9 +32,15 @@ def chart_html(fig: Any, include_js: bool, config: dict[str, Any], div_id: str) 
         return NO_PLOTLY_NOTE if include_js else ""
     import plotly.io as pio
 
-    return pio.to_html(
-        fig.to_dict(), validate=False, full_html=False, include_plotlyjs=include_js, config=config, div_id=div_id
-    )
+    # plotly before 6.6 replaces warnings.formatwarning for the whole process when to_html first imports plotly.tools:
+    # every later warning of the user's run would print in plotly's format.
+    formatwarning = warnings.formatwarning
+    try:
+        return pio.to_html(
+            fig.to_dict(), validate=False, full_html=False, include_plotlyjs=include_js, config=config, div_id=div_id
+        )
+    finally:
+        warnings.formatwarning = formatwarning
 
 
 def table(frame: pd.DataFrame, numeric: set[str] | None = None) -> str:
