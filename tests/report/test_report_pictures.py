@@ -52,24 +52,41 @@ def test_axis_unit_follows_the_data() -> None:
 
 def test_png_unit_and_legend_clear_of_the_peak_label() -> None:
     pytest.importorskip("matplotlib")
-    import matplotlib.pyplot as plt
-
     from lightning_memtrace.report.png import timeline_figure
 
     rep = _hundred_mib_replay()
     assert rep.peak.live_bytes == 100 * MIB
     fig = timeline_figure(rep.main, timeline_data(rep.main), "run")
+    ax = fig.axes[0]
+    assert ax.get_ylabel() == "MiB"  # not GiB with 0.02 ticks
+    assert ax.get_ylim()[1] > 100  # room above the peak for its label
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    (peak_label,) = [t for t in ax.texts if t.get_text().startswith("peak ")]
+    legend = ax.get_legend()
+    assert not legend.get_window_extent(renderer).overlaps(peak_label.get_window_extent(renderer))
+
+
+def test_png_leaves_the_users_matplotlib_alone(tmp_path: Path) -> None:
+    """The report's PNG uses no pyplot: the user's backend (a notebook's inline one) and open figures stay."""
+    pytest.importorskip("matplotlib")
+    import matplotlib
+    import matplotlib.pyplot as plt
+
+    from lightning_memtrace.report.png import write_png
+
+    rep = _hundred_mib_replay()
+    backend = matplotlib.get_backend()
+    matplotlib.use("svg")  # the user's choice (any other than Agg; this one needs no display)
     try:
-        ax = fig.axes[0]
-        assert ax.get_ylabel() == "MiB"  # not GiB with 0.02 ticks
-        assert ax.get_ylim()[1] > 100  # room above the peak for its label
-        fig.canvas.draw()
-        renderer = fig.canvas.get_renderer()
-        (peak_label,) = [t for t in ax.texts if t.get_text().startswith("peak ")]
-        legend = ax.get_legend()
-        assert not legend.get_window_extent(renderer).overlaps(peak_label.get_window_extent(renderer))
+        users_figure = plt.figure()
+        png = write_png(rep.main, timeline_data(rep.main), tmp_path / "t.png", "run")
+        assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n") and png.stat().st_size > 10_000
+        assert matplotlib.get_backend() == "svg"
+        assert plt.get_fignums() == [users_figure.number]
     finally:
-        plt.close(fig)
+        plt.close("all")
+        matplotlib.use(backend)
 
 
 def test_pre_existing_and_other_have_distinct_colours() -> None:

@@ -17,17 +17,19 @@ from lightning_memtrace.units import format_bytes
 def timeline_figure(dev: DeviceReplay, data: TimelineData, title: str) -> Any:
     """The matplotlib figure of the stacked timeline: the unit picked from the data, the legend outside the axes (it
     never covers the peak's label)."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
+    # A figure on an Agg canvas of its own, without pyplot: the process's backend (a notebook's inline one, a
+    # window) and pyplot's list of figures stay as the user has them.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     top = max(
         float(data.total.max()) if len(data.total) else 0.0,
         float(data.reserved.max()) if data.reserved is not None and len(data.reserved) else 0.0,
     )
     unit, unit_name = axis_unit(top)
-    fig, ax = plt.subplots(figsize=(12, 5), dpi=100)
+    fig = Figure(figsize=(12, 5), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
     cats = [c for c in data.series.columns if data.series[c].to_numpy().any()]
     if cats:
         ax.stackplot(
@@ -62,12 +64,7 @@ def timeline_figure(dev: DeviceReplay, data: TimelineData, title: str) -> Any:
 
 def write_png(dev: DeviceReplay, data: TimelineData, png_path: str | os.PathLike[str], title: str) -> Path:
     """A static PNG of the stacked timeline (matplotlib, Agg)."""
-    import matplotlib.pyplot as plt
-
     fig = timeline_figure(dev, data, title)
     out = Path(png_path)
-    try:
-        atomic_write_with(out, lambda handle: fig.savefig(handle, format="png"))
-    finally:
-        plt.close(fig)
+    atomic_write_with(out, lambda handle: fig.savefig(handle, format="png"))
     return out
