@@ -151,7 +151,9 @@ class MemTrace(Callback):
         dirpath: Folder for the files. Default: ``<trainer.log_dir>/memtrace``.
         track_allocations: Count allocations with the allocation tracker (see ``allocation_backend``). Default
             (None): on where the device's allocator has no counters (CPU), off on CUDA.
-        history: Record the allocator's history for a window of steps and write a snapshot.
+        history: Record the allocator's history for a window of steps and write a snapshot. On CUDA, where you
+            record it yourself already (``torch.cuda.memory._record_memory_history``), the window reads your
+            recording as it is and leaves it on.
         history_skip_steps: Steps of the run before the window opens (default 1: skip the first step).
         history_steps: Steps in the window (default 2).
         max_entries: Ring-buffer size of the history, in events.

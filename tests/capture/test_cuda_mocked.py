@@ -242,3 +242,55 @@ def test_what_if_device_memory_is_the_limit_the_caching_allocator_enforces(monke
     assert device_memory_bytes("cuda:0") == total
     assert device_memory_bytes("cuda:1") == total // 2
     assert device_memory_bytes("cuda") == total // 2
+
+
+def _cuda_window(monkeypatch, users_recording: bool):
+    """A history window on a mocked CUDA device (no tracker: the caching allocator records), with the calls it makes
+    to the allocator's history recording."""
+    from lightning_memtrace.capture import window as window_module
+    from lightning_memtrace.capture.categories import NamedStorages
+    from lightning_memtrace.capture.config import RecorderConfig
+
+    calls = []
+    monkeypatch.setattr(torch._C, "_cuda_isHistoryEnabled", lambda: users_recording, raising=False)
+    monkeypatch.setattr(cuda_history, "cuda_history_supported", lambda: True)
+    monkeypatch.setattr(cuda_history, "start_cuda_history", lambda max_entries: calls.append(("start", max_entries)))
+    monkeypatch.setattr(cuda_history, "stop_cuda_history", lambda: calls.append(("stop",)))
+    monkeypatch.setattr(cuda_history, "tag_allocations", lambda text: True)
+    monkeypatch.setattr(cuda_history, "cuda_snapshot", lambda: {"segments": [], "device_traces": [[]]})
+    monkeypatch.setattr(window_module, "cuda_allocated", lambda device: 0)
+
+    class Files:
+        def __init__(self):
+            self.written = []
+
+        def write_snapshot(self, name, snapshot):
+            self.written.append(name)
+            return None
+
+    files = Files()
+    window = window_module.HistoryWindow(
+        RecorderConfig(history_skip_steps=0, history_steps=1, max_entries=777), torch.device("cuda", 0), 0, None,
+        files, NamedStorages, lambda: None, lambda kind, message: None,
+    )
+    return window, calls, files
+
+
+def test_history_window_records_and_stops_when_nobody_else_records(monkeypatch):
+    window, calls, files = _cuda_window(monkeypatch, users_recording=False)
+    window.maybe_open(0)
+    assert window.is_open
+    window.close(0)
+    assert calls == [("start", 777), ("stop",)]
+    assert files.written == ["snapshot_rank0_steps0-0.pickle"]
+
+
+def test_history_window_leaves_the_users_own_recording_on(monkeypatch):
+    """A user who called ``torch.cuda.memory._record_memory_history`` keeps recording, with their settings, after the
+    window: MemTrace neither restarts it with its own nor stops it (their ``_dump_snapshot`` at the end still works)."""
+    window, calls, files = _cuda_window(monkeypatch, users_recording=True)
+    window.maybe_open(0)
+    assert window.is_open
+    window.close(0)
+    assert calls == []
+    assert files.written == ["snapshot_rank0_steps0-0.pickle"]

@@ -43,6 +43,23 @@ def test_allocator_counters_and_categories(tmp_path):
     assert (phases[phases.phase == "after_backward"].activations_bytes == 0).all()
 
 
+def test_users_own_history_recording_stays_on(tmp_path):
+    """A user who records the allocator's history themselves (as PyTorch's docs show, for their own
+    ``_dump_snapshot``) still records after the fit: MemTrace's window read their recording and left it on."""
+    torch.cuda.memory._record_memory_history(max_entries=50_000)
+    try:
+        callback = MemTrace()
+        _gpu_trainer(tmp_path, [callback], max_steps=4).fit(TinyLM(batch_size=4, seq_len=64))
+        assert torch._C._cuda_isHistoryEnabled()
+        marker = torch.empty(12345 * 512, dtype=torch.uint8, device="cuda")
+        trace = torch.cuda.memory._snapshot()["device_traces"][0]
+        assert any(e["action"] == "alloc" and e["size"] == marker.numel() for e in trace)
+        with open(callback.output_dir / "snapshot_rank0_steps1-2.pickle", "rb") as handle:
+            assert len([e for e in pickle.load(handle)["device_traces"][0] if e["action"] == "alloc"]) > 100
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+
 def test_cuda_snapshot_has_phase_metadata(tmp_path):
     callback = MemTrace()
     _gpu_trainer(tmp_path, [callback], max_steps=4).fit(TinyLM(batch_size=4, seq_len=64))

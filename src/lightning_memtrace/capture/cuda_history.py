@@ -12,6 +12,7 @@ from typing import Any
 
 from lightning_memtrace.capture import torch_private
 from lightning_memtrace.capture.torch_private import (
+    cuda_history_enabled,
     cuda_history_supported,
     cuda_oom_observer_attacher,
     cuda_snapshot,
@@ -22,6 +23,7 @@ from lightning_memtrace.capture.torch_private import (
 __all__ = [
     "add_cuda_oom_listener",
     "carry_allocation_tag",
+    "cuda_history_enabled",
     "cuda_history_supported",
     "cuda_snapshot",
     "remove_cuda_oom_listener",

@@ -317,6 +317,18 @@ def cuda_history_supported() -> bool:
     )
 
 
+def cuda_history_enabled() -> bool:
+    """Whether the CUDA caching allocator records its history already (the user's own ``_record_memory_history``);
+    False where this torch cannot tell."""
+    probe = getattr(torch._C, "_cuda_isHistoryEnabled", None)
+    if probe is None:
+        return False
+    try:
+        return bool(probe())
+    except Exception:  # CUDA not initialised or not built: nothing records
+        return False
+
+
 def start_cuda_history(max_entries: int) -> None:
     """Record alloc/free events with Python stacks into a ring buffer of ``max_entries`` events."""
     record = torch.cuda.memory._record_memory_history

@@ -113,6 +113,8 @@ class HistoryWindow:
     _open: tuple[int, int, int] | None = dataclasses.field(default=None, init=False)  # (first, last step, time_us)
     _start_allocated: int = dataclasses.field(default=0, init=False)
     _done: bool = dataclasses.field(default=False, init=False)
+    # The user records the CUDA allocator's history already: the window reads it and leaves it on, as it is.
+    _users_history: bool = dataclasses.field(default=False, init=False)
 
     def __post_init__(self) -> None:
         #: ``(step, phase, time_us)`` of every row, for the snapshot header's phase bands.
@@ -151,7 +153,9 @@ class HistoryWindow:
                 self._done = True
                 self.warn("history", "this torch cannot record the CUDA allocator's history: no snapshot")
                 return False
-            cuda_history.start_cuda_history(self.config.max_entries)
+            self._users_history = cuda_history.cuda_history_enabled()
+            if not self._users_history:
+                cuda_history.start_cuda_history(self.config.max_entries)
         elif self.tracker is not None:
             self.tracker.record_history(True)
             self._start_allocated = self.tracker.counters()[0]  # record_history took the reports in
@@ -176,7 +180,8 @@ class HistoryWindow:
                 self.tracker.record_history(False)
             elif self.device.type == "cuda":
                 cuda_history.tag_allocations("")
-                cuda_history.stop_cuda_history()
+                if not self._users_history:
+                    cuda_history.stop_cuda_history()
         return self.files.write_snapshot(window_snapshot_filename(self.rank, first, last), snapshot)
 
     def snapshot_now(self, since_us: int = 0) -> dict[str, Any]:
