@@ -395,3 +395,34 @@ def test_a_second_fit_starts_clean(tmp_path):
     assert callback.state_dict() == {"version": 1, "rows": 20, "last_step": 3, "run": callback.run_id}
     spy.recorders.clear()  # the spy's own references: MemTrace keeps none
     assert _pickle_error(run) is None
+
+
+def test_the_users_saved_tensor_hooks_around_the_fit_still_apply(tmp_path):
+    """Saved-tensor hooks of the user's around the fit (``save_on_cpu`` offloading, say) go on packing every saved
+    tensor: autograd applies only the innermost hooks, and MemTrace's, pushed inside, hand each tensor on to them."""
+    seen = {}
+    for with_memtrace in (False, True):
+        packed, unpacked = [], []
+
+        def pack(tensor):
+            packed.append(tuple(tensor.shape))
+            return ("theirs", tensor)
+
+        def unpack(box):
+            assert box[0] == "theirs"
+            unpacked.append(1)
+            return box[1]
+
+        callbacks = [MemTrace(history=False, report=False)] if with_memtrace else []
+        torch.manual_seed(0)
+        module = MLP()
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            trainer(tmp_path / str(with_memtrace), callbacks, max_steps=3).fit(module)
+        seen[with_memtrace] = (packed, len(unpacked), [p.detach().clone() for p in module.parameters()])
+        if with_memtrace:
+            phases = load_phases(callbacks[0].output_dir)
+            assert (phases[phases.phase == "after_forward"].activations_bytes > 0).all()  # still measured
+    (plain_packed, plain_unpacked, plain_params), (packed, unpacked, params) = seen[False], seen[True]
+    assert packed == plain_packed and len(packed) > 0
+    assert unpacked == plain_unpacked == len(packed)
+    assert all(torch.equal(a, b) for a, b in zip(plain_params, params))

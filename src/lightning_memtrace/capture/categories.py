@@ -77,9 +77,25 @@ class SavedTensorsRecorder:
         return tensor
 
     def push(self) -> bool:
+        """Push the hooks; where saved-tensor hooks of the user's are in force already (``save_on_cpu`` around the
+        fit, say), they go on applying: MemTrace's pack notes the tensor and hands it to theirs (autograd applies only
+        the innermost hooks)."""
         if self._hooks is not None:
             return True
-        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        outer = torch_private.saved_tensors_hooks_in_force()
+        if outer is None:
+            hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        else:
+            outer_pack, outer_unpack = outer
+            pack, unpack = self._pack, self._unpack
+
+            def pack_then_theirs(tensor: Tensor) -> Any:
+                return outer_pack(pack(tensor))
+
+            def theirs_unpack(packed: Any) -> Any:
+                return outer_unpack(unpack(packed))
+
+            hooks = torch.autograd.graph.saved_tensors_hooks(pack_then_theirs, theirs_unpack)
         try:
             hooks.__enter__()
         except RuntimeError as error:

@@ -373,6 +373,19 @@ def set_allocation_metadata(text: str) -> bool:
         return False
 
 
+def saved_tensors_hooks_in_force() -> tuple[Callable[[Any], Any], Callable[[Any], Any]] | None:
+    """The ``(pack, unpack)`` saved-tensor hooks autograd applies now (the innermost ``saved_tensors_hooks``, such as
+    a user's ``save_on_cpu`` around the fit), or None: none, or this torch cannot tell."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        return None
+    try:
+        hooks = top(True)
+    except Exception:  # a torch whose signature differs: as if none
+        return None
+    return hooks if hooks is not None and len(hooks) == 2 else None
+
+
 def queue_backward_callback(callback: Callable[[], None]) -> bool:
     """Run ``callback`` when the backward running now ends, on the thread that finishes it; False outside one."""
     try:
