@@ -83,6 +83,8 @@ class SavedTensorsRecorder:
         if self._hooks is not None:
             return True
         outer = torch_private.saved_tensors_hooks_in_force()
+        if outer is not None and getattr(outer[0], "_memtrace_pack", False):
+            outer = None  # another recorder's (an estimate inside a running fit): not the user's, not handed on
         if outer is None:
             hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         else:
@@ -95,6 +97,7 @@ class SavedTensorsRecorder:
             def theirs_unpack(packed: Any) -> Any:
                 return outer_unpack(unpack(packed))
 
+            pack_then_theirs._memtrace_pack = True  # type: ignore[attr-defined]
             hooks = torch.autograd.graph.saved_tensors_hooks(pack_then_theirs, theirs_unpack)
         try:
             hooks.__enter__()
@@ -122,6 +125,10 @@ class SavedTensorsRecorder:
         for key in dead:
             self._saved.pop(key, None)
         return out
+
+
+#: Marks MemTrace's own pack hooks: a recorder pushed later (an estimate inside a fit) does not hand on to them.
+SavedTensorsRecorder._pack._memtrace_pack = True  # type: ignore[attr-defined]
 
 
 class CategoryCounter:
