@@ -426,3 +426,76 @@ def test_the_users_saved_tensor_hooks_around_the_fit_still_apply(tmp_path):
     assert packed == plain_packed and len(packed) > 0
     assert unpacked == plain_unpacked == len(packed)
     assert all(torch.equal(a, b) for a, b in zip(plain_params, params))
+
+
+class PhysicsInformedMLP(MLP):
+    """A training step that differentiates the network with ``torch.func`` (a physics-informed loss): torch.func's
+    gradient transforms refuse to run where any saved-tensor hooks are pushed."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out = self(x)
+        per_sample_slope = torch.func.vmap(torch.func.grad(lambda row: self.net(row).sum()))(x)
+        _, pullback = torch.func.vjp(lambda inputs: self.net(inputs), x)
+        (input_grad,) = pullback(torch.ones_like(out))
+        jacobian = torch.func.jacrev(lambda row: self.net(row))(x[0])
+        penalty = per_sample_slope.pow(2).mean() + input_grad.abs().mean() + jacobian.mean()
+        return nn.functional.mse_loss(out, y) + penalty
+
+
+def test_torch_func_gradient_transforms_run_in_the_training_step(tmp_path):
+    """``torch.func.grad``/``vjp``/``jacrev`` inside the training step run as without MemTrace (its hooks step aside
+    for them), the activations of the rest of the forward are still measured, and torch's function is back after fit;
+    under a user's own hooks around the fit they fail exactly as they would without MemTrace."""
+    torch_disable = torch.autograd.graph.disable_saved_tensors_hooks
+    params = {}
+    for with_memtrace in (False, True):
+        callbacks = [MemTrace(history=False, report=False)] if with_memtrace else []
+        torch.manual_seed(0)
+        module = PhysicsInformedMLP()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            warnings.filterwarnings("ignore", category=FutureWarning)  # Lightning's own, about torch's _pytree
+            trainer(tmp_path / str(with_memtrace), callbacks, max_steps=3).fit(module)
+        params[with_memtrace] = [p.detach().clone() for p in module.parameters()]
+        assert torch.autograd.graph.disable_saved_tensors_hooks is torch_disable
+        if with_memtrace:
+            phases = load_phases(callbacks[0].output_dir)
+            after_forward = phases[phases.phase == "after_forward"]
+            assert len(after_forward) == 3
+            assert (after_forward.activations_bytes > 0).all()
+    assert all(torch.equal(a, b) for a, b in zip(params[False], params[True]))
+
+    errors = {}
+    for with_memtrace in (False, True):
+        callbacks = [MemTrace(history=False, report=False)] if with_memtrace else []
+        with torch.autograd.graph.save_on_cpu(), pytest.raises(RuntimeError) as raised:
+            trainer(tmp_path / f"hooks{with_memtrace}", callbacks, max_steps=1).fit(PhysicsInformedMLP())
+        errors[with_memtrace] = str(raised.value)
+        assert torch.autograd.graph.disable_saved_tensors_hooks is torch_disable
+    assert errors[True] == errors[False] and "saved tensor hooks" in errors[True]
+
+
+class CompiledSlopeMLP(MLP):
+    """A training step with ``torch.func.grad`` inside a function compiled as one graph."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        slope = torch.compile(
+            lambda row: torch.func.grad(lambda r: self.net(r).sum())(row), backend="aot_eager", fullgraph=True
+        )
+        return nn.functional.mse_loss(self(x), y) + slope(x[0]).pow(2).mean()
+
+
+def test_a_compiled_torch_func_gradient_transform_stays_one_graph(tmp_path):
+    """Dynamo knows torch's ``disable_saved_tensors_hooks`` by identity: while MemTrace's stands in for it, a compiled
+    ``torch.func.grad`` still compiles as one graph (``fullgraph=True`` raises on any break) and trains the same."""
+    params = {}
+    for with_memtrace in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        module = CompiledSlopeMLP()
+        callbacks = [MemTrace(history=False, report=False)] if with_memtrace else []
+        trainer(tmp_path / str(with_memtrace), callbacks, max_steps=2).fit(module)
+        params[with_memtrace] = [p.detach().clone() for p in module.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(params[False], params[True]))

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_memtrace.capture import cuda_history, torch_private
+from lightning_memtrace.capture import cuda_history, hooks_stand_in, torch_private
 from lightning_memtrace.capture.storages import (
     PLAIN_TENSORS,
     iter_tensors,
@@ -46,6 +46,9 @@ class SavedTensorsRecorder:
         self._on_cpu = self.device.type == "cpu"
         self._saved: dict[int, weakref.ref] = {}
         self._hooks: Any = None
+        # The user's hooks in force beneath MemTrace's, which its own hand each tensor on to.
+        self._outer: tuple[Any, Any] | None = None
+        self._holds_stand_in = False
         self.unavailable_reason: str | None = None
 
     @property
@@ -76,29 +79,34 @@ class SavedTensorsRecorder:
         cuda_history.carry_allocation_tag()
         return tensor
 
+    def _pack_then_theirs(self, tensor: Tensor) -> Any:
+        return self._outer[0](self._pack(tensor))
+
+    def _unpack_theirs(self, packed: Any) -> Any:
+        return self._outer[1](self._unpack(packed))
+
     def push(self) -> bool:
         """Push the hooks; where saved-tensor hooks of the user's are in force already (``save_on_cpu`` around the
         fit, say), they go on applying: MemTrace's pack notes the tensor and hands it to theirs (autograd applies only
-        the innermost hooks)."""
+        the innermost hooks). While they are pushed, code that refuses to run under saved-tensor hooks (``torch.func``'s
+        gradient transforms) runs with MemTrace's popped (see :mod:`~lightning_memtrace.capture.hooks_stand_in`)."""
         if self._hooks is not None:
             return True
+        if not self._enter_hooks():
+            return False
+        hooks_stand_in.hold()
+        self._holds_stand_in = True
+        return True
+
+    def _enter_hooks(self) -> bool:
         outer = torch_private.saved_tensors_hooks_in_force()
-        if outer is not None and getattr(outer[0], "_memtrace_pack", False):
+        if outer is not None and hooks_stand_in.owner_of(outer[0]) is not None:
             outer = None  # another recorder's (an estimate inside a running fit): not the user's, not handed on
+        self._outer = outer
         if outer is None:
             hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         else:
-            outer_pack, outer_unpack = outer
-            pack, unpack = self._pack, self._unpack
-
-            def pack_then_theirs(tensor: Tensor) -> Any:
-                return outer_pack(pack(tensor))
-
-            def theirs_unpack(packed: Any) -> Any:
-                return outer_unpack(unpack(packed))
-
-            pack_then_theirs._memtrace_pack = True  # type: ignore[attr-defined]
-            hooks = torch.autograd.graph.saved_tensors_hooks(pack_then_theirs, theirs_unpack)
+            hooks = torch.autograd.graph.saved_tensors_hooks(self._pack_then_theirs, self._unpack_theirs)
         try:
             hooks.__enter__()
         except RuntimeError as error:
@@ -109,9 +117,22 @@ class SavedTensorsRecorder:
         return True
 
     def pop(self) -> None:
+        self.step_aside()
+        if self._holds_stand_in:
+            self._holds_stand_in = False
+            hooks_stand_in.release()
+
+    def step_aside(self) -> None:
+        """Pop the hooks, leaving the stand-in held (see :meth:`push`)."""
         hooks, self._hooks = self._hooks, None
         if hooks is not None:
             hooks.__exit__(None, None, None)
+
+    def step_back(self) -> None:
+        """Push the hooks again after :meth:`step_aside`; where that fails, they stay off until the next push."""
+        if self._holds_stand_in and self._hooks is None and not self._enter_hooks():
+            self._holds_stand_in = False
+            hooks_stand_in.release()
 
     def live_storages(self) -> StorageMap:
         out: StorageMap = {}
@@ -127,8 +148,10 @@ class SavedTensorsRecorder:
         return out
 
 
-#: Marks MemTrace's own pack hooks: a recorder pushed later (an estimate inside a fit) does not hand on to them.
-SavedTensorsRecorder._pack._memtrace_pack = True  # type: ignore[attr-defined]
+# Marks MemTrace's own pack hooks: a recorder pushed later (an estimate inside a fit) does not hand on to them, and the
+# step-aside stand-in finds the recorder to pop.
+for _pack_hook in (SavedTensorsRecorder._pack, SavedTensorsRecorder._pack_then_theirs):
+    setattr(_pack_hook, hooks_stand_in.MARKER, True)
 
 
 class CategoryCounter:

@@ -1,0 +1,98 @@
+"""MemTrace's saved-tensor hooks step aside for code that refuses to run under any (``torch.func.grad``, ``vjp``,
+``jacrev``, ``hessian``).
+
+torch.func's gradient transforms enter ``torch.autograd.graph.disable_saved_tensors_hooks``, which raises where any
+saved-tensor hooks are pushed on the thread: a training step calling them would fail only because MemTrace's hooks are
+pushed during its forward. While a recorder's hooks are pushed, :func:`disable_saved_tensors_hooks` stands in for
+torch's: where MemTrace's hooks are the innermost on this thread, they are popped for the region and pushed again after
+it, so that torch's own check sees exactly what it would see without MemTrace (a user's own hooks beneath still make it
+raise, as they would without MemTrace). Tensors saved inside the region go unnoted: they count as other bytes, not as
+activations. On other threads, and where MemTrace's hooks are not innermost, torch's function runs as it is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+import torch
+
+from lightning_memtrace.capture import torch_private
+
+#: Set (True) on the functions of MemTrace's pack hooks: each is pushed as a method of its :class:`HooksOwner`.
+MARKER = "_memtrace_pack"
+
+
+class HooksOwner(Protocol):
+    def step_aside(self) -> None:
+        """Pop the hooks (they are the innermost on this thread)."""
+
+    def step_back(self) -> None:
+        """Push them again."""
+
+
+_lock = threading.Lock()
+# How many owners hold the stand-in in place (their hooks are pushed, on any thread), and the function it replaced
+# (torch's, or what was in its place) which it calls.
+_holders = 0
+_replaced: Callable[[str], Any] = torch.autograd.graph.disable_saved_tensors_hooks
+
+
+def owner_of(pack: Any) -> HooksOwner | None:
+    """The owner of MemTrace's pack hook ``pack``, or None where ``pack`` is not MemTrace's."""
+    return getattr(pack, "__self__", None) if getattr(pack, MARKER, False) else None
+
+
+def innermost_owner() -> HooksOwner | None:
+    """The owner of the saved-tensor hooks autograd applies now on this thread, where they are MemTrace's."""
+    hooks = torch_private.saved_tensors_hooks_in_force()
+    return owner_of(hooks[0]) if hooks is not None else None
+
+
+@contextlib.contextmanager
+def disable_saved_tensors_hooks(error_message: str) -> Iterator[None]:
+    """Stands in for ``torch.autograd.graph.disable_saved_tensors_hooks`` (same arguments) while MemTrace's hooks are
+    pushed; see the module's description."""
+    if torch.compiler.is_compiling():
+        # Dynamo traces torch.func's transforms with every saved-tensor hook ignored: nothing to check or pop. (It
+        # knows torch's own function by identity only, and would break the graph at the call.)
+        yield
+        return
+    torch_disable = _replaced
+    owner = innermost_owner()
+    if owner is None:
+        with torch_disable(error_message):
+            yield
+        return
+    owner.step_aside()
+    try:
+        with torch_disable(error_message):
+            yield
+    finally:
+        owner.step_back()
+
+
+def hold() -> None:
+    """Put the stand-in in place (if it is not already): an owner's hooks are pushed now."""
+    global _holders, _replaced
+    graph = torch.autograd.graph
+    with _lock:
+        if _holders == 0:
+            current = graph.disable_saved_tensors_hooks
+            if current is not disable_saved_tensors_hooks:
+                _replaced = current
+                graph.disable_saved_tensors_hooks = disable_saved_tensors_hooks  # type: ignore[assignment]
+        _holders += 1
+
+
+def release() -> None:
+    """An owner's hooks are popped: the last one to go puts torch's function back, unless someone else replaced the
+    stand-in meanwhile (theirs is left in place)."""
+    global _holders
+    graph = torch.autograd.graph
+    with _lock:
+        _holders = max(0, _holders - 1)
+        if _holders == 0 and graph.disable_saved_tensors_hooks is disable_saved_tensors_hooks:
+            graph.disable_saved_tensors_hooks = _replaced  # type: ignore[assignment]
