@@ -17,6 +17,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.loggers.logger import Logger
 from lightning_memtrace import MemTrace, load_phases
+from lightning_memtrace.capture.torch_private import can_tell_saved_tensors_hooks
 from lightning_memtrace.types import COUNTERS
 from lm_helpers import MLP, trainer
 
@@ -397,6 +398,39 @@ def test_a_second_fit_starts_clean(tmp_path):
     assert _pickle_error(run) is None
 
 
+def test_before_torch_2_8_the_users_saved_tensor_hooks_around_the_fit_are_left_alone(tmp_path, monkeypatch):
+    """A torch that cannot tell which hooks are in force: MemTrace cannot hand tensors on to the user's hooks, so it
+    pushes none of its own over them (their packs are those of the run without MemTrace) and says once that
+    activations are not measured; without hooks of the user's it measures them as ever."""
+    from lightning_memtrace.capture import torch_private
+
+    monkeypatch.setattr(torch_private, "_top_saved_tensors_hooks", lambda: None)
+    packs = {}
+    for with_memtrace in (False, True):
+        packed = []
+
+        def pack(tensor):
+            packed.append(tuple(tensor.shape))
+            return tensor
+
+        callbacks = [MemTrace(history=False, report=False)] if with_memtrace else []
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            trainer(tmp_path / str(with_memtrace), callbacks, max_steps=3).fit(MLP())
+        packs[with_memtrace] = packed
+        mine = [str(w.message) for w in seen if "MemTrace" in str(w.message)]
+        if with_memtrace:
+            assert len(mine) == 1 and "activations are not measured" in mine[0] and "before 2.8" in mine[0]
+            phases = load_phases(callbacks[0].output_dir)
+            assert (phases.activations_bytes == 0).all()
+    assert packs[True] == packs[False] and len(packs[True]) > 0
+    callback = MemTrace(history=False, report=False)
+    trainer(tmp_path / "alone", [callback], max_steps=2).fit(MLP())
+    phases = load_phases(callback.output_dir)
+    assert (phases[phases.phase == "after_forward"].activations_bytes > 0).all()
+
+
+@pytest.mark.skipif(not can_tell_saved_tensors_hooks(), reason="torch before 2.8 cannot tell which hooks are in force")
 def test_the_users_saved_tensor_hooks_around_the_fit_still_apply(tmp_path):
     """Saved-tensor hooks of the user's around the fit (``save_on_cpu`` offloading, say) go on packing every saved
     tensor: autograd applies only the innermost hooks, and MemTrace's, pushed inside, hand each tensor on to them."""
@@ -443,7 +477,19 @@ class PhysicsInformedMLP(MLP):
         return nn.functional.mse_loss(out, y) + penalty
 
 
-def test_torch_func_gradient_transforms_run_in_the_training_step(tmp_path):
+@pytest.fixture(params=["this torch", "torch before 2.8"])
+def hooks_reader(request, monkeypatch):
+    """This torch, and one that cannot tell which saved-tensor hooks are in force (none before torch 2.8): MemTrace
+    then goes by its own pushes and asks only whether any hooks are pushed."""
+    from lightning_memtrace.capture import torch_private
+
+    if request.param != "this torch":
+        monkeypatch.setattr(torch_private, "_top_saved_tensors_hooks", lambda: None)
+        assert not torch_private.can_tell_saved_tensors_hooks()
+    return request.param
+
+
+def test_torch_func_gradient_transforms_run_in_the_training_step(tmp_path, hooks_reader):
     """``torch.func.grad``/``vjp``/``jacrev`` inside the training step run as without MemTrace (its hooks step aside
     for them), the activations of the rest of the forward are still measured, and torch's function is back after fit;
     under a user's own hooks around the fit they fail exactly as they would without MemTrace."""
@@ -469,7 +515,8 @@ def test_torch_func_gradient_transforms_run_in_the_training_step(tmp_path):
     errors = {}
     for with_memtrace in (False, True):
         callbacks = [MemTrace(history=False, report=False)] if with_memtrace else []
-        with torch.autograd.graph.save_on_cpu(), pytest.raises(RuntimeError) as raised:
+        with torch.autograd.graph.save_on_cpu(), pytest.raises(RuntimeError) as raised, warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # before torch 2.8: MemTrace says it leaves the user's hooks alone
             trainer(tmp_path / f"hooks{with_memtrace}", callbacks, max_steps=1).fit(PhysicsInformedMLP())
         errors[with_memtrace] = str(raised.value)
         assert torch.autograd.graph.disable_saved_tensors_hooks is torch_disable
@@ -499,3 +546,87 @@ def test_a_compiled_torch_func_gradient_transform_stays_one_graph(tmp_path):
         trainer(tmp_path / str(with_memtrace), callbacks, max_steps=2).fit(module)
         params[with_memtrace] = [p.detach().clone() for p in module.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(params[False], params[True]))
+
+
+class DropoutMLP(MLP):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net.insert(1, nn.Dropout(0.3))
+
+
+def test_random_streams_and_weights_are_those_of_the_run_without_memtrace(tmp_path):
+    """MemTrace draws no random numbers (the estimate's fake forward included): a run with dropout ends with the same
+    torch, Python and numpy random states, and the same weights, as without it."""
+    import random
+
+    import numpy as np
+
+    ends = {}
+    for variant in ("plain", "defaults", "estimate"):
+        torch.manual_seed(0)
+        random.seed(0)
+        np.random.seed(0)
+        module = DropoutMLP()
+        callbacks = [] if variant == "plain" else [MemTrace(estimate=variant == "estimate", report=False)]
+        trainer(tmp_path / variant, callbacks, max_steps=3).fit(module)
+        rng_states = (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())
+        ends[variant] = (*rng_states, list(module.parameters()))
+    plain = ends["plain"]
+    for variant in ("defaults", "estimate"):
+        state, py_state, np_state, params = ends[variant]
+        assert torch.equal(state, plain[0]) and py_state == plain[1] and (np_state == plain[2]).all()
+        assert all(torch.equal(a, b) for a, b in zip(plain[3], params))
+
+
+class WorkerStateDataset(torch.utils.data.Dataset):
+    """Each sample carries what its DataLoader worker inherited from the training process: a profiling session
+    enabled, dispatch modes on the stack, the CPU allocator noting every block."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, index):
+        from lightning_memtrace.capture import torch_private
+
+        native = torch_private.native_logging()
+        inherited = (
+            int(torch._C._autograd._profiler_enabled()),
+            torch._C._len_torch_dispatch_stack(),
+            int(native is not None and bool(native._report_cpu.value)),
+        )
+        return torch.randn(32), torch.randn(1), torch.tensor(inherited)
+
+
+class WorkerStateMLP(MLP):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inherited: list[list[int]] = []
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(
+            WorkerStateDataset(), batch_size=4, num_workers=2, multiprocessing_context="fork"
+        )
+
+    def training_step(self, batch, batch_idx):
+        x, y, inherited = batch
+        self.inherited.extend(inherited.tolist())  # as ints: the run keeps no tensor of its own
+        return super().training_step((x, y), batch_idx)
+
+
+@pytest.mark.parametrize("backend", ["reports", "dispatch"])
+def test_dataloader_workers_forked_mid_run_inherit_nothing(tmp_path, backend):
+    """A DataLoader forks its workers again at every epoch, while MemTrace measures: they must not inherit its
+    profiling session (every allocation of theirs would be kept, for nobody), its dispatch mode (every operator of
+    theirs through MemTrace's Python) or the allocator's noting of every block. The run's rows stay steady across the
+    forks."""
+    from lightning_memtrace.capture import fork_guard
+
+    module = WorkerStateMLP()
+    callback = MemTrace(report=False, allocation_backend=backend, history_steps=100)  # window open all along
+    trainer(tmp_path, [callback], max_steps=-1, max_epochs=3).fit(module)
+    assert len(module.inherited) == 48
+    assert [sum(column) for column in zip(*module.inherited)] == [0, 0, 0]
+    phases = load_phases(callback.output_dir)
+    after_step = phases[phases.phase == "after_optimizer_step"].allocated_bytes
+    assert len(after_step) == 12 and after_step.max() - after_step.min() <= 2 * 4 * 33 * 4  # prefetched batches only
+    assert not any(type(guarded).__name__ in ("AllocatorReports", "DispatchBackend") for guarded in fork_guard._guarded)

@@ -102,6 +102,18 @@ class SavedTensorsRecorder:
         outer = torch_private.saved_tensors_hooks_in_force()
         if outer is not None and hooks_stand_in.owner_of(outer[0]) is not None:
             outer = None  # another recorder's (an estimate inside a running fit): not the user's, not handed on
+        elif (
+            outer is None
+            and not torch_private.can_tell_saved_tensors_hooks()
+            and not hooks_stand_in.pushed_here()
+            and torch_private.saved_tensors_hooks_pushed()
+        ):
+            # The user's hooks (save_on_cpu around the fit) would stop applying under MemTrace's: theirs come first.
+            self.unavailable_reason = (
+                "saved-tensor hooks of your own (save_on_cpu, say) are in force, and this torch (before 2.8) cannot "
+                "tell MemTrace which to hand each tensor on to, so it leaves them to work alone"
+            )
+            return False
         self._outer = outer
         if outer is None:
             hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -114,6 +126,7 @@ class SavedTensorsRecorder:
             self.unavailable_reason = str(error).splitlines()[0]
             return False
         self._hooks = hooks
+        hooks_stand_in.note_pushed(self)
         return True
 
     def pop(self) -> None:
@@ -126,6 +139,7 @@ class SavedTensorsRecorder:
         """Pop the hooks, leaving the stand-in held (see :meth:`push`)."""
         hooks, self._hooks = self._hooks, None
         if hooks is not None:
+            hooks_stand_in.note_popped(self)
             hooks.__exit__(None, None, None)
 
     def step_back(self) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import Tensor
 
-from lightning_memtrace.capture import torch_private
+from lightning_memtrace.capture import fork_guard, torch_private
 from lightning_memtrace.capture.allocation_state import AllocationState
 from lightning_memtrace.capture.frames import capture_frames
 from lightning_memtrace.capture.oom_errors import is_out_of_memory
@@ -119,14 +119,31 @@ class DispatchBackend:
             # FSDP2 frees and re-allocates its gathered parameters by resizing their storages, which no operator does.
             self._resizes_seen = contextlib.ExitStack()
             self._resizes_seen.enter_context(torch_private.fsdp2_storage_resizes(self._refresh_resized))
+            fork_guard.guard(self)
 
     def stop(self) -> None:
+        fork_guard.unguard(self)
         mode, self._mode = self._mode, None
         resizes_seen, self._resizes_seen = self._resizes_seen, None
         if resizes_seen is not None:
             resizes_seen.close()
         if mode is not None:
             mode.__exit__(None, None, None)
+
+    def before_fork(self) -> None:
+        pass
+
+    def after_fork_in_parent(self) -> None:
+        pass
+
+    def after_fork_in_child(self) -> None:
+        """A forked child (a DataLoader worker) runs its operators without the mode, which nothing there will exit."""
+        mode, self._mode = self._mode, None
+        resizes_seen, self._resizes_seen = self._resizes_seen, None
+        if resizes_seen is not None:
+            resizes_seen.close()
+        if mode is not None:
+            torch_private.drop_dispatch_mode(mode)
 
     def _refresh_resized(self, tensor: Tensor) -> None:
         if self._mode is not None:

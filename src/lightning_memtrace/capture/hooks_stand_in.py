@@ -7,7 +7,8 @@ pushed during its forward. While a recorder's hooks are pushed, :func:`disable_s
 torch's: where MemTrace's hooks are the innermost on this thread, they are popped for the region and pushed again after
 it, so that torch's own check sees exactly what it would see without MemTrace (a user's own hooks beneath still make it
 raise, as they would without MemTrace). Tensors saved inside the region go unnoted: they count as other bytes, not as
-activations. On other threads, and where MemTrace's hooks are not innermost, torch's function runs as it is.
+activations. On other threads, and where MemTrace's hooks are not innermost, torch's function runs as it is. A torch
+before 2.8 cannot tell which hooks are innermost: there the hooks MemTrace pushed last on the thread are taken to be.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ class HooksOwner(Protocol):
 
 
 _lock = threading.Lock()
+# The owners whose hooks each thread has pushed, oldest first (for a torch that cannot tell which hooks are in force).
+_this_thread = threading.local()
 # How many owners hold the stand-in in place (their hooks are pushed, on any thread), and the function it replaced
 # (torch's, or what was in its place) which it calls.
 _holders = 0
@@ -46,9 +49,36 @@ def owner_of(pack: Any) -> HooksOwner | None:
 
 
 def innermost_owner() -> HooksOwner | None:
-    """The owner of the saved-tensor hooks autograd applies now on this thread, where they are MemTrace's."""
+    """The owner of the saved-tensor hooks autograd applies now on this thread, where they are MemTrace's.
+
+    A torch that cannot tell which hooks are in force: the owner whose hooks this thread pushed last, if any are
+    pushed (hooks of the user's pushed after them are then not seen).
+    """
+    if not torch_private.can_tell_saved_tensors_hooks():
+        pushed = getattr(_this_thread, "pushed", None)
+        return pushed[-1] if pushed else None
     hooks = torch_private.saved_tensors_hooks_in_force()
     return owner_of(hooks[0]) if hooks is not None else None
+
+
+def pushed_here() -> bool:
+    """Whether an owner's hooks are pushed on this thread."""
+    return bool(getattr(_this_thread, "pushed", None))
+
+
+def note_pushed(owner: HooksOwner) -> None:
+    """``owner`` pushed its hooks on this thread."""
+    pushed = getattr(_this_thread, "pushed", None)
+    if pushed is None:
+        pushed = _this_thread.pushed = []
+    pushed.append(owner)
+
+
+def note_popped(owner: HooksOwner) -> None:
+    """``owner`` popped its hooks on this thread."""
+    pushed = getattr(_this_thread, "pushed", None)
+    if pushed and owner in pushed:
+        del pushed[len(pushed) - 1 - pushed[::-1].index(owner)]
 
 
 @contextlib.contextmanager

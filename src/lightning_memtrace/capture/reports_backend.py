@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from lightning_memtrace.capture import torch_private
+from lightning_memtrace.capture import fork_guard, torch_private
 from lightning_memtrace.capture.allocation_state import ALLOC, FREE, AllocationState, LiveAllocation, RowMark
 from lightning_memtrace.collector import gc_paused
 from lightning_memtrace.types import Frame
@@ -207,6 +207,10 @@ class AllocatorReports:
         #: ``(index, bytes)`` for each report of the last drain before which other threads changed the CPU
         #: allocator's total (by ``bytes``: negative where they freed more than they allocated); see :meth:`_events`.
         self.other_threads: list[tuple[int, int]] = []
+        # The thread whose session this is, and the results of sessions closed for a fork, not read yet (oldest first).
+        self._thread = threading.get_ident()
+        self._closed_for_fork: list[Any] = []
+        self._reopen_after_fork = False
 
     def start(self) -> None:
         if self.active:
@@ -218,8 +222,10 @@ class AllocatorReports:
         # first such free (see NativeLogging.track_every_cpu_block, which spends that warning where it can).
         native = self._native
         native.track_every_cpu_block()
+        self._thread = threading.get_ident()
         self._open()
         self.active = True
+        fork_guard.guard(self)
         self._last_total = None  # reports were missed since the last one read (if any)
         native.spend_unknown_free_warning()
         if not self._other_threads_blocks:
@@ -230,6 +236,30 @@ class AllocatorReports:
         self.active = False
         self._last_total = None
         self._native.note_other_threads_blocks(True)
+        fork_guard.unguard(self)
+
+    # ----------------------------------------------------------------------------------------------- forks
+    def before_fork(self) -> None:
+        """The session's thread forks (a DataLoader starting its workers): close the session, so that the child does
+        not inherit it, and keep its reports for the next drain."""
+        if not self.active or threading.get_ident() != self._thread or not self.owned():
+            return
+        with self._native.kineto_silenced(), self._native.c10_silenced(), pairing_warning_dropped():
+            self._closed_for_fork.append(self._session.disable())
+        self._reopen_after_fork = True
+
+    def after_fork_in_parent(self) -> None:
+        if self._reopen_after_fork:
+            self._reopen_after_fork = False
+            self._open()
+
+    def after_fork_in_child(self) -> None:
+        """The child measures nothing: this copy of the session is over (it was closed before the fork), and the
+        allocator notes blocks as it did before MemTrace."""
+        self.active = False
+        self._reopen_after_fork = False
+        self._closed_for_fork = []
+        self._native.forget_every_cpu_block()
 
     def _open(self) -> None:
         # Two silenced calls: kineto's first use in the process sets its own level inside the first one.
@@ -264,7 +294,25 @@ class AllocatorReports:
                 self._open()
             else:
                 self._closed()
-        return self._events(result)
+        if not self._closed_for_fork:
+            return self._events(result)
+        results, self._closed_for_fork = [*self._closed_for_fork, result], []
+        return self._events_of(results)
+
+    def _events_of(self, results: list[Any]) -> ReportColumns:
+        """:meth:`_events` of several sessions' results, one after the other (sessions closed for a fork)."""
+        times: list[int] = []
+        addrs: list[int] = []
+        sizes: list[int] = []
+        other_threads: list[tuple[int, int]] = []
+        for result in results:
+            columns = self._events(result)
+            other_threads.extend((index + len(times), change) for index, change in self.other_threads)
+            times += columns.times
+            addrs += columns.addrs
+            sizes += columns.sizes
+        self.other_threads = other_threads
+        return ReportColumns(times, addrs, sizes)
 
     def _events(self, result: Any) -> ReportColumns:
         allocation_type = self._session.allocation_type

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_memtrace.capture import fork_guard
+
 __all__ = ["TorchDispatchMode"]  # the dispatch backend's base class (torch.utils._python_dispatch)
 
 
@@ -227,6 +229,7 @@ class NativeLogging:
             return
         self._report_cpu.value = True
         self._noting_every_block = True
+        fork_guard.guard(self)
         self.spend_unknown_free_warning()
 
     def note_other_threads_blocks(self, enabled: bool) -> None:
@@ -242,6 +245,22 @@ class NativeLogging:
             return
         self._noting_paused = not enabled
         self._report_cpu.value = enabled
+
+    def before_fork(self) -> None:
+        pass
+
+    def after_fork_in_parent(self) -> None:
+        pass
+
+    def after_fork_in_child(self) -> None:
+        self.forget_every_cpu_block()
+
+    def forget_every_cpu_block(self) -> None:
+        """Stop noting every block where :meth:`track_every_cpu_block` turned it on (in a forked child, which MemTrace
+        does not measure: as before MemTrace)."""
+        if self._noting_every_block:
+            self._report_cpu.value = False
+            self._noting_every_block = self._noting_paused = False
 
     def spend_unknown_free_warning(self) -> None:
         """Free an unknown block, silenced, once per process: the allocator's first "unknown size" warning is spent.
@@ -373,17 +392,75 @@ def set_allocation_metadata(text: str) -> bool:
         return False
 
 
-def saved_tensors_hooks_in_force() -> tuple[Callable[[Any], Any], Callable[[Any], Any]] | None:
-    """The ``(pack, unpack)`` saved-tensor hooks autograd applies now (the innermost ``saved_tensors_hooks``, such as
-    a user's ``save_on_cpu`` around the fit), or None: none, or this torch cannot tell."""
+@functools.lru_cache(maxsize=None)
+def _top_saved_tensors_hooks() -> Any:
+    """torch's reader of the innermost saved-tensor hooks, as a call without arguments, or None (before torch 2.8)."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     if top is None:
         return None
     try:
-        hooks = top(True)
-    except Exception:  # a torch whose signature differs: as if none
+        top(True)  # ignore_is_tracing: the hooks in force at run time, also while dynamo traces
+    except TypeError:  # a torch whose reader takes no argument
+        return top
+    except Exception:
+        return None
+    return functools.partial(top, True)
+
+
+def drop_dispatch_mode(mode: TorchDispatchMode) -> None:
+    """Take ``mode`` off this thread's dispatch mode stack, wherever it is in it, the modes above it kept in order (in
+    a forked child, where nothing will exit it)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
+
+    above = []
+    while _get_current_dispatch_mode_stack():
+        top = _pop_mode()
+        if top is mode:
+            break
+        above.append(top)
+    for other in reversed(above):
+        _push_mode(other)
+
+
+def can_tell_saved_tensors_hooks() -> bool:
+    """Whether this torch tells which saved-tensor hooks are in force (before torch 2.8 it cannot)."""
+    return _top_saved_tensors_hooks() is not None
+
+
+def saved_tensors_hooks_in_force() -> tuple[Callable[[Any], Any], Callable[[Any], Any]] | None:
+    """The ``(pack, unpack)`` saved-tensor hooks autograd applies now (the innermost ``saved_tensors_hooks``, such as
+    a user's ``save_on_cpu`` around the fit), or None: none, or this torch cannot tell (see
+    :func:`saved_tensors_hooks_pushed`)."""
+    top = _top_saved_tensors_hooks()
+    if top is None:
+        return None
+    try:
+        hooks = top()
+    except Exception:  # a torch whose reader breaks: as if none
         return None
     return hooks if hooks is not None and len(hooks) == 2 else None
+
+
+def saved_tensors_hooks_pushed() -> bool:
+    """Whether any saved-tensor hooks are pushed on this thread, on every torch (also where it cannot tell which).
+
+    Disabling the hooks raises where any are pushed: that is the question, asked with the thread's own setting put
+    back at once (the error message, if the hooks were disabled already, else enabled).
+    """
+    autograd = torch._C._autograd
+    before = autograd._saved_tensors_hooks_get_disabled_error_message()
+    try:
+        autograd._saved_tensors_hooks_disable("MemTrace asks whether saved-tensor hooks are pushed")
+        pushed = False
+    except RuntimeError:
+        pushed = True
+    finally:
+        if before is None:
+            autograd._saved_tensors_hooks_enable()
+        else:
+            with contextlib.suppress(RuntimeError):  # it raises where hooks are pushed, after setting the message
+                autograd._saved_tensors_hooks_disable(before)
+    return pushed
 
 
 def queue_backward_callback(callback: Callable[[], None]) -> bool:
