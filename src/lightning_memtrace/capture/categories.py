@@ -19,6 +19,7 @@ from lightning_memtrace.capture.storages import (
     optimizer_state_tensors,
     same_device,
     storage_key,
+    storage_of,
     wrapped_tensors,
 )
 from lightning_memtrace.types import Category
@@ -152,7 +153,7 @@ class SavedTensorsRecorder:
         out: StorageMap = {}
         dead = []
         for key, ref in self._saved.items():
-            storage = ref()
+            storage = storage_of(ref)
             if storage is None:
                 dead.append(key)
             else:

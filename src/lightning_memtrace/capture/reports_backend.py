@@ -31,6 +31,7 @@ import torch
 
 from lightning_memtrace.capture import fork_guard, torch_private
 from lightning_memtrace.capture.allocation_state import ALLOC, FREE, AllocationState, LiveAllocation, RowMark
+from lightning_memtrace.capture.storages import storage_of
 from lightning_memtrace.collector import gc_paused
 from lightning_memtrace.types import Frame
 
@@ -530,7 +531,7 @@ class ReportsBackend:
         state.stream_stage, state.stream_metadata = row.stage, row.metadata
         blocks, live, live_addrs = state.blocks, state.live, state.live_addrs
         for ref, _category in row.foreign:
-            storage = ref()
+            storage = storage_of(ref)
             if storage is not None:
                 if storage.data_ptr() not in blocks:
                     state.track_storage(storage, adopted=True)

@@ -22,6 +22,7 @@ from lightning_memtrace.capture.categories import (
     input_storages,
 )
 from lightning_memtrace.capture.counters import MemoryCounters
+from lightning_memtrace.capture.storages import storage_of
 from lightning_memtrace.capture.tracker import AllocationTracker, RowMark
 from lightning_memtrace.types import Category, Phase, PhaseRecord
 
@@ -148,7 +149,7 @@ class RowReader:
     def _live_inputs(self) -> dict[int, torch.UntypedStorage]:
         out = {}
         for key, ref in self._inputs.items():
-            storage = ref()
+            storage = storage_of(ref)
             if storage is not None:
                 out[key] = storage
         return out
