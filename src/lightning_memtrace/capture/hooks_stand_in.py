@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -81,27 +81,42 @@ def note_popped(owner: HooksOwner) -> None:
         del pushed[len(pushed) - 1 - pushed[::-1].index(owner)]
 
 
-@contextlib.contextmanager
-def disable_saved_tensors_hooks(error_message: str) -> Iterator[None]:
+def disable_saved_tensors_hooks(error_message: str) -> contextlib.AbstractContextManager[None]:
     """Stands in for ``torch.autograd.graph.disable_saved_tensors_hooks`` (same arguments) while MemTrace's hooks are
-    pushed; see the module's description."""
+    pushed; see the module's description.
+
+    A plain function returning a context manager (not a generator one): dynamo inlines it into a compiled
+    ``torch.func`` transform on every torch, where it has a ``nullcontext``, since dynamo traces with every
+    saved-tensor hook ignored (it knows torch's own function by identity only, and would break the graph at it).
+    """
     if torch.compiler.is_compiling():
-        # Dynamo traces torch.func's transforms with every saved-tensor hook ignored: nothing to check or pop. (It
-        # knows torch's own function by identity only, and would break the graph at the call.)
-        yield
-        return
-    torch_disable = _replaced
+        return contextlib.nullcontext()
     owner = innermost_owner()
     if owner is None:
-        with torch_disable(error_message):
-            yield
-        return
-    owner.step_aside()
-    try:
-        with torch_disable(error_message):
-            yield
-    finally:
-        owner.step_back()
+        return _replaced(error_message)
+    return _SteppedAside(owner, _replaced(error_message))
+
+
+class _SteppedAside:
+    """torch's ``disable_saved_tensors_hooks`` entered with MemTrace's hooks popped, which are pushed again after."""
+
+    def __init__(self, owner: HooksOwner, disabled: contextlib.AbstractContextManager[None]) -> None:
+        self._owner = owner
+        self._disabled = disabled
+
+    def __enter__(self) -> None:
+        self._owner.step_aside()
+        try:
+            self._disabled.__enter__()
+        except BaseException:
+            self._owner.step_back()
+            raise
+
+    def __exit__(self, *exc_info: Any) -> bool | None:
+        try:
+            return self._disabled.__exit__(*exc_info)
+        finally:
+            self._owner.step_back()
 
 
 def hold() -> None:
