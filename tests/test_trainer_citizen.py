@@ -618,12 +618,22 @@ class WorkerStateMLP(MLP):
         return super().training_step((x, y), batch_idx)
 
 
+def _worker_batch_storages_end() -> bool:
+    """Whether a weak reference to the storage of a batch from a DataLoader worker ends with the batch (not on torch
+    2.5 to 2.8, at least)."""
+    import weakref
+
+    loader = torch.utils.data.DataLoader(torch.zeros(8, 4), batch_size=4, num_workers=1, multiprocessing_context="fork")
+    refs = [weakref.ref(batch.untyped_storage()) for batch in loader]
+    return all(ref() is None for ref in refs)
+
+
 @pytest.mark.parametrize("backend", ["reports", "dispatch"])
 def test_dataloader_workers_forked_mid_run_inherit_nothing(tmp_path, backend):
     """A DataLoader forks its workers again at every epoch, while MemTrace measures: they must not inherit its
     profiling session (every allocation of theirs would be kept, for nobody), its dispatch mode (every operator of
     theirs through MemTrace's Python) or the allocator's noting of every block. The run's rows stay steady across the
-    forks."""
+    forks: at the end of every epoch, the same bytes."""
     from lightning_memtrace.capture import fork_guard
 
     module = WorkerStateMLP()
@@ -633,9 +643,11 @@ def test_dataloader_workers_forked_mid_run_inherit_nothing(tmp_path, backend):
     assert [sum(column) for column in zip(*module.inherited)] == [0, 0, 0]
     assert not any(type(guarded).__name__ in ("AllocatorReports", "DispatchBackend") for guarded in fork_guard._guarded)
     phases = load_phases(callback.output_dir)
-    after_step = phases[phases.phase == "after_optimizer_step"].allocated_bytes
-    assert len(after_step) == 12
-    if backend == "dispatch" and torch.__version__ < "2.6":
-        pytest.xfail("torch 2.5 keeps a worker batch's storages alive after its tensors (their weak references never "
-                     "end): the dispatch backend counts the batches prefetched at each epoch's end")
-    assert after_step.max() - after_step.min() <= 2 * 4 * 33 * 4  # batches prefetched by the workers, no more
+    batch_end = phases[phases.phase == "batch_end"].allocated_bytes.tolist()
+    assert len(batch_end) == 12
+    if backend == "dispatch" and not _worker_batch_storages_end():
+        pytest.xfail("this torch keeps the Python objects of a worker batch's storages after their memory is freed "
+                     "(weak references to them never end): the dispatch backend counts the batches prefetched at each "
+                     "epoch's end")
+    # Batches the workers prefetched come and go within an epoch; at its last batch none is left, in every epoch.
+    assert batch_end[3::4] == [min(batch_end)] * 3, batch_end
