@@ -130,12 +130,6 @@ class DispatchBackend:
         if mode is not None:
             mode.__exit__(None, None, None)
 
-    def before_fork(self) -> None:
-        pass
-
-    def after_fork_in_parent(self) -> None:
-        pass
-
     def after_fork_in_child(self) -> None:
         """A forked child (a DataLoader worker) runs its operators without the mode, which nothing there will exit."""
         mode, self._mode = self._mode, None

@@ -18,9 +18,8 @@ from typing import Protocol
 
 
 class ForkGuarded(Protocol):
-    def before_fork(self) -> None: ...
-
-    def after_fork_in_parent(self) -> None: ...
+    """What is told of a fork: ``after_fork_in_child``, and where it has them, ``before_fork`` (on the forking thread)
+    and ``after_fork_in_parent``."""
 
     def after_fork_in_child(self) -> None: ...
 
@@ -49,8 +48,11 @@ def _each(method: str) -> None:
     # An exception here would be printed by the interpreter ("Exception ignored in ...") into the user's console, and
     # must not stop the fork: a guard that fails is left as it is.
     for obj in list(_guarded):
+        hook = getattr(obj, method, None)
+        if hook is None:
+            continue
         try:
-            getattr(obj, method)()
+            hook()
         except Exception:  # noqa: S110
             pass
 

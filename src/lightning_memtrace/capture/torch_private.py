@@ -246,12 +246,6 @@ class NativeLogging:
         self._noting_paused = not enabled
         self._report_cpu.value = enabled
 
-    def before_fork(self) -> None:
-        pass
-
-    def after_fork_in_parent(self) -> None:
-        pass
-
     def after_fork_in_child(self) -> None:
         self.forget_every_cpu_block()
 
