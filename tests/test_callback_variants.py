@@ -205,3 +205,23 @@ def test_plain_loop_recorders_get_their_own_run(tmp_path):
             ids.append(recorder.run_id)
     assert ids[0] != ids[1]
     assert load_phases(tmp_path).groupby("run").size().to_dict() == {ids[0]: 2, ids[1]: 2}
+
+
+@pytest.mark.parametrize("track_allocations", [True, False])
+def test_validation_rows_name_the_model_states_once_and_each_batch_inputs(tmp_path, track_allocations):
+    """Validation rows: the parameters and AdamW's state as in training, no gradients (Lightning set them to None), no
+    activations, and the inputs of each batch (the third holds the last 8 of the 32 validation rows)."""
+    module = MLP(batch_size=12)
+    callback = MemTrace(dirpath=tmp_path / "mt", history=False, report=False, track_allocations=track_allocations)
+    trainer(tmp_path, [callback], max_steps=2, limit_val_batches=3, val_check_interval=2).fit(module)
+    phases = load_phases(tmp_path / "mt")
+    val = phases[phases.phase.str.startswith("val")]
+    assert list(val.phase) == ["val_batch_start", "val_batch_end"] * 3
+    params = _param_bytes(module)
+    adamw = 2 * params + 4 * len(list(module.parameters()))  # exp_avg, exp_avg_sq, a float32 step per parameter
+    assert (val.parameters_bytes == params).all() and (val.optimizer_state_bytes == adamw).all()
+    assert (val.gradients_bytes == 0).all() and (val.activations_bytes == 0).all()
+    rows = [12, 12, 12, 12, 8, 8]  # x (32 float32 each) and y (1 float32 each)
+    assert list(val.inputs_bytes) == [n * 33 * 4 for n in rows]
+    if not track_allocations:  # allocated is the sum of the categories
+        assert list(val.allocated_bytes) == [params + adamw + n * 33 * 4 for n in rows]

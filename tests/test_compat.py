@@ -16,6 +16,7 @@ import torch
 import yaml
 
 from lightning_memtrace import MemTrace, MemTraceWarning, load_phases
+from lightning_memtrace.capture import recorder as recorder_module
 from lightning_memtrace.capture.storages import unique_storage_bytes
 from lm_helpers import MLP, trainer
 
@@ -141,15 +142,16 @@ def test_sigkill_mid_run_leaves_whole_files(tmp_path):
 
 def test_full_disk_mid_run_one_warning_and_training_goes_on(tmp_path, monkeypatch):
     real_write = os.write
-    calls = {"n": 0}
+    rows_written: list[int] = []
 
     def failing_write(fd, data):
-        if data.startswith(b"0,") or data[:2].isdigit() or data[:1].isdigit():
-            calls["n"] += 1
-            if calls["n"] > 6:
+        if data[:1].isdigit():  # the CSV's rows (not its header)
+            if rows_written:
                 raise OSError(errno.ENOSPC, "No space left on device")
+            rows_written.append(data.count(b"\n"))
         return real_write(fd, data)
 
+    monkeypatch.setattr(recorder_module, "_DEFERRED_SECONDS_MAX", 0.0)  # the rows of every batch written at its end
     monkeypatch.setattr(os, "write", failing_write)
     callback = MemTrace(dirpath=tmp_path / "mt")
     fit_trainer = trainer(tmp_path, [callback], max_steps=4)
@@ -160,7 +162,8 @@ def test_full_disk_mid_run_one_warning_and_training_goes_on(tmp_path, monkeypatc
     ours = [w for w in caught if issubclass(w.category, MemTraceWarning)]
     assert len(ours) == 1 and "No space left" in str(ours[0].message)
     assert fit_trainer.global_step == 4
-    assert len(load_phases(tmp_path / "mt")) == 6
+    assert rows_written == [5]  # the first batch's rows: batch_start to batch_end
+    assert len(load_phases(tmp_path / "mt")) == 5
     assert not list((tmp_path / "mt").glob("snapshot_*.pickle"))  # recording stopped: no file after the failure
 
 

@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_memtrace import MemTrace, load_phases
 from lightning_memtrace.capture import recorder as recorder_module
+from lightning_memtrace.capture.phases_writer import PhaseCsvWriter
 from lightning_memtrace.capture.reports_backend import AllocatorReports
 from lm_helpers import MLP, record_plain_loop, trainer
 
@@ -158,3 +159,40 @@ def test_a_plain_loop_reading_records_mid_run_gets_every_row_taken(tmp_path, mon
 
     deferred, every_batch = run(read_every_batch=False), run(read_every_batch=True)
     assert deferred == every_batch
+
+
+@pytest.mark.parametrize("track_allocations", [True, False], ids=["reports_read_late", "rows_read_at_once"])
+@pytest.mark.parametrize("seconds", [3600.0, 0.0], ids=["by_count", "by_age"])
+def test_rows_reach_the_csv_together_by_count_or_age_and_at_flush(tmp_path, monkeypatch, track_allocations, seconds):
+    """Rows reach the CSV in writes of whole lines on the rule of the deferred reads (here every 10 rows, or at each
+    batch's end once ``_DEFERRED_SECONDS_MAX`` has passed), also where they are read at once, and all at ``flush()``
+    and at the end."""
+    monkeypatch.setattr(recorder_module, "_DEFERRED_ROWS_MAX", 10)
+    monkeypatch.setattr(recorder_module, "_DEFERRED_SECONDS_MAX", seconds)
+    writes: list[int] = []
+    write_many = PhaseCsvWriter.write_many
+
+    def counting(self, records):
+        writes.append(len(records))
+        return write_many(self, records)
+
+    monkeypatch.setattr(PhaseCsvWriter, "write_many", counting)
+    in_csv: list[int] = []
+
+    def after_batch(recorder, step: int) -> None:
+        in_csv.append(recorder.rows_written)
+        if step == 2:
+            recorder.flush()
+            in_csv.append(recorder.rows_written)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    recorder = record_plain_loop(
+        model, optimizer, tmp_path, 5, 8, after_batch=after_batch, history=False, track_allocations=track_allocations
+    )
+    if seconds:  # five rows a batch: the 10th row of batches 1 and 4 fills a write, flush() writes batch 2's
+        assert (writes, in_csv) == ([10, 5, 10], [0, 10, 10, 15, 15, 25])
+    else:  # each batch's rows at its end
+        assert (writes, in_csv) == ([5] * 5, [5, 10, 15, 15, 20, 25])
+    assert recorder.rows_written == len(load_phases(tmp_path)) == 25

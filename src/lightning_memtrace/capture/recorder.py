@@ -54,6 +54,7 @@ from lightning_memtrace.types import STAGE_AFTER_PHASE, Phase, PhaseRecord, Stag
 
 #: Deferred rows (see :meth:`MemoryRecorder.flush`) are read at the end of the batch where this many are waiting or
 #: this many seconds have passed since the last read (and whenever the rows are wanted: logging, gathering, the end).
+#: Rows reach the CSV on the same rule, also where they are read at once.
 _DEFERRED_ROWS_MAX = 256
 _DEFERRED_SECONDS_MAX = 1.0
 
@@ -164,7 +165,10 @@ class MemoryRecorder:
         self._take_rows = True
         self._step_hooks: list[Any] = []
         self._step_depth: dict[int, int] = {}
-        self._last_sync = time.monotonic()
+        self._last_sync = self._last_write = time.monotonic()
+        # Rows delivered and not in the CSV yet: written together (formatting many lines at once, one write) where
+        # they are due, in flush() and at the end.
+        self._unwritten: list[PhaseRecord] = []
         #: The thread that started the recorder (whose reports session it reads).
         self._thread = threading.get_ident()
 
@@ -235,6 +239,7 @@ class MemoryRecorder:
                     self.tracker.oom_listeners.remove(self.oom.on_tracker_oom)
                 self.tracker.stop()
                 self._deliver(self.rows.ready())
+            self._write_rows()
             self.outputs.close()
 
     def __enter__(self) -> MemoryRecorder:
@@ -339,6 +344,9 @@ class MemoryRecorder:
         self.saved.clear()
         if self._sync_due():
             self._sync()
+            self._write_rows()
+        elif self._unwritten and self._write_due():
+            self._write_rows()
         if self.training:
             if next_step is None:
                 next_step = self.step + (1 if self._stepped_this_batch else 0)
@@ -364,6 +372,15 @@ class MemoryRecorder:
             or time.monotonic() - self._last_sync >= _DEFERRED_SECONDS_MAX
         )
 
+    def _write_due(self) -> bool:
+        return time.monotonic() - self._last_write >= _DEFERRED_SECONDS_MAX
+
+    def _write_rows(self) -> None:
+        rows, self._unwritten = self._unwritten, []
+        self._last_write = time.monotonic()
+        if rows:
+            self.outputs.write_rows(rows)
+
     # ------------------------------------------------------------------------------------------------ measuring
     def measure(self, phase: Phase) -> PhaseRecord:
         """Measure now, without writing: allocated, reserved, peak since the last measurement, and categories."""
@@ -384,15 +401,18 @@ class MemoryRecorder:
         return len(self.rows.deferred)
 
     def flush(self) -> None:
-        """Read the allocator's reports now and deliver every row still waiting for them (CSV, ``on_record``).
+        """Read the allocator's reports now, deliver every row still waiting for them (``on_record``) and write the
+        rows not in the CSV yet.
 
         With the CPU allocator's reports (the default on CPU, outside the history window), a row is taken where it
         happens but its allocated and peak bytes are read from the report stream later: at the end of the batch where
         a few hundred rows wait or a second has passed (under a process group, every training batch), and here.
+        Rows reach the CSV on the same rule (also where they are read at once), and when the recorder stops.
         The session is the thread's that started the recorder: on another thread this does nothing.
         """
         if threading.get_ident() == self._thread:
             self._sync()
+            self._write_rows()
 
     def _sync(self) -> None:
         tracker = self.tracker
@@ -442,17 +462,23 @@ class MemoryRecorder:
         if not records:
             return
         self._records.extend(records)
-        self.outputs.write_rows(records)
+        self._unwritten.extend(records)
+        if len(self._unwritten) >= _DEFERRED_ROWS_MAX:
+            self._write_rows()
         if self.on_record is not None:
             for record in records:
                 self.on_record(record)
 
     def _set_stage(self, stage: Stage) -> None:
         self.stage = stage
+        tracker = self.tracker
+        tags_cuda = self.window.is_open and self.device.type == "cuda"
+        if tracker is None and not tags_cuda:
+            return
         metadata = format_tag(stage, self.step)
-        if self.tracker is not None:
-            self.tracker.set_stage(stage.value, metadata)
-        if self.window.is_open and self.device.type == "cuda":
+        if tracker is not None:
+            tracker.set_stage(stage.value, metadata)
+        if tags_cuda:
             cuda_history.tag_allocations(metadata)
 
     def _warn(self, kind: str, message: str) -> None:
@@ -490,6 +516,7 @@ class MemoryRecorder:
 
     @property
     def rows_written(self) -> int:
+        """Rows in the CSV so far (see :meth:`flush`)."""
         return self.outputs.rows_written
 
     @property

@@ -28,6 +28,7 @@ from lightning_memtrace.types import Category, Phase, PhaseRecord
 
 _CATEGORY_NAMES = {category: category.value for category in Category}
 _DATA_PTR = torch.UntypedStorage.data_ptr
+_NBYTES = torch.UntypedStorage.nbytes
 Labels = list[tuple[int, str]]
 Foreign = list[tuple[weakref.ref, str]]
 
@@ -44,11 +45,20 @@ class RowPlace(NamedTuple):
     run: str
 
 
+_PARAMETERS, _GRADIENTS, _OPTIMIZER_STATE = Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER_STATE
+_ACTIVATIONS, _INPUTS = Category.ACTIVATIONS, Category.INPUTS
+_UNSHARDED_PARAMETERS, _UNSHARDED_GRADIENTS = Category.UNSHARDED_PARAMETERS, Category.UNSHARDED_GRADIENTS
+_new_object = object.__new__
+
+
 def make_record(
     place: RowPlace, allocated: int, reserved: int, peak: int, totals: dict[Category, int]
 ) -> PhaseRecord:
     """The row: ``other`` is what is allocated beyond the named categories (never negative)."""
-    return PhaseRecord(
+    # Made for every row (two per validation batch): its fields are filled as one dict update, since the frozen
+    # dataclass's __init__ sets them one by one through object.__setattr__ (three times slower).
+    record = _new_object(PhaseRecord)
+    record.__dict__.update(
         step=place.step,
         epoch=place.epoch,
         batch_idx=place.batch_idx,
@@ -58,16 +68,17 @@ def make_record(
         allocated_bytes=allocated,
         reserved_bytes=reserved,
         peak_bytes=max(peak, allocated),
-        parameters_bytes=totals[Category.PARAMETERS],
-        gradients_bytes=totals[Category.GRADIENTS],
-        optimizer_state_bytes=totals[Category.OPTIMIZER_STATE],
-        activations_bytes=totals[Category.ACTIVATIONS],
-        inputs_bytes=totals[Category.INPUTS],
+        parameters_bytes=totals[_PARAMETERS],
+        gradients_bytes=totals[_GRADIENTS],
+        optimizer_state_bytes=totals[_OPTIMIZER_STATE],
+        activations_bytes=totals[_ACTIVATIONS],
+        inputs_bytes=totals[_INPUTS],
         other_bytes=max(0, allocated - sum(totals.values())),
-        unsharded_parameters_bytes=totals[Category.UNSHARDED_PARAMETERS],
-        unsharded_gradients_bytes=totals[Category.UNSHARDED_GRADIENTS],
         run=place.run,
+        unsharded_parameters_bytes=totals[_UNSHARDED_PARAMETERS],
+        unsharded_gradients_bytes=totals[_UNSHARDED_GRADIENTS],
     )
+    return record
 
 
 def row_parts(
@@ -169,12 +180,17 @@ class RowReader:
             states = self.categories.name()
             self._model_states = (states, *row_parts(tracker, states))
         states, state_totals, state_labels, state_foreign = self._model_states
-        inputs = NamedStorages()
-        inputs.add({key: st for key, st in self._live_inputs().items() if key not in states.storages}, Category.INPUTS)
-        totals, labels, foreign = row_parts(tracker, inputs, self._inputs)
-        for category, nbytes in state_totals.items():
-            totals[category] += nbytes
-        totals[Category.ACTIVATIONS] = 0
+        named = states.storages
+        inputs = {key: st for key, st in self._live_inputs().items() if key not in named}
+        totals = dict(state_totals)
+        totals[_ACTIVATIONS] = 0
+        if tracker is None:  # nothing to label: the inputs' bytes are all a row needs (two rows per batch)
+            totals[_INPUTS] += sum(map(_NBYTES, inputs.values()))
+            return totals, [], []
+        named_inputs = NamedStorages()
+        named_inputs.add(inputs, _INPUTS)
+        input_totals, labels, foreign = row_parts(tracker, named_inputs, self._inputs)
+        totals[_INPUTS] += input_totals[_INPUTS]
         if first:  # the model states keep their labels for the rest of the validation run
             labels, foreign = state_labels + labels, state_foreign + foreign
         return totals, labels, foreign

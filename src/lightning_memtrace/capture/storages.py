@@ -94,7 +94,10 @@ def iter_tensors(obj: Any, _depth: int = 0) -> Iterator[Tensor]:
             yield from iter_tensors(value, _depth + 1)
     elif isinstance(obj, (list, tuple, set, frozenset)):
         for value in obj:
-            yield from iter_tensors(value, _depth + 1)
+            if isinstance(value, Tensor):  # the usual batch: a tuple of tensors, no generator for each
+                yield value
+            else:
+                yield from iter_tensors(value, _depth + 1)
     elif hasattr(obj, "__dataclass_fields__"):
         for name in obj.__dataclass_fields__:
             yield from iter_tensors(getattr(obj, name, None), _depth + 1)
