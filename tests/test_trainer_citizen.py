@@ -651,3 +651,29 @@ def test_dataloader_workers_forked_mid_run_inherit_nothing(tmp_path, backend):
                      "epoch's end")
     # Batches the workers prefetched come and go within an epoch; at its last batch none is left, in every epoch.
     assert batch_end[3::4] == [min(batch_end)] * 3, batch_end
+
+
+@pytest.mark.parametrize("checkpoints_into_root", [True, False])
+def test_a_checkpoint_folder_holds_checkpoints_only(tmp_path, monkeypatch, checkpoints_into_root):
+    """With ``logger=False`` MemTrace writes into ``<default_root_dir>/memtrace``, but where a ModelCheckpoint saves into
+    ``default_root_dir`` itself (Lightning's own checkpoint tests list that folder) into a folder of its own in the
+    temporary folder, and says so once."""
+    (tmp_path / "temp").mkdir()
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "temp"))
+    root = tmp_path / "run"
+    checkpoint = ModelCheckpoint(dirpath=root if checkpoints_into_root else None, filename="{step}", save_top_k=-1,
+                                 every_n_train_steps=1)
+    callback = MemTrace()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(root, [checkpoint, callback], max_steps=2, enable_checkpointing=True).fit(MLP())
+    said = [str(w.message) for w in caught if "not into" in str(w.message)]
+    if checkpoints_into_root:
+        assert sorted(p.name for p in root.iterdir()) == ["step=1.ckpt", "step=2.ckpt"]
+        assert callback.output_dir == tmp_path / "temp" / "lightning_memtrace" / callback.run_id
+        assert said == [f"MemTrace writes into {callback.output_dir}, not into {root}: a ModelCheckpoint saves there "
+                        "(pass MemTrace(dirpath=...) to choose the folder)."]
+    else:
+        assert sorted(p.name for p in root.iterdir()) == ["checkpoints", "memtrace"]
+        assert callback.output_dir == root / "memtrace" and said == []
+    assert len(load_phases(callback.output_dir)) == 2 * 5

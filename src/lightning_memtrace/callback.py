@@ -21,9 +21,8 @@ from typing_extensions import override
 
 from lightning_memtrace.capture.config import AllocationBackend, RecorderConfig
 from lightning_memtrace.capture.oom_errors import is_out_of_memory
-from lightning_memtrace.capture.recorder import MemoryRecorder, new_run_id
+from lightning_memtrace.capture.recorder import MemoryRecorder, MemTraceWarning, new_run_id
 from lightning_memtrace.capture.reports_backend import track_every_cpu_block
-from lightning_memtrace.files import MEMTRACE_DIR
 from lightning_memtrace.trainer import extras, ranks
 from lightning_memtrace.trainer.cadence import (
     RowMaxima,
@@ -33,6 +32,7 @@ from lightning_memtrace.trainer.cadence import (
     log_to_loggers,
     profiles_with_torch,
 )
+from lightning_memtrace.trainer.folder import memtrace_folder
 from lightning_memtrace.trainer.shown_once import shown_once_kept
 from lightning_memtrace.types import PhaseRecord
 
@@ -69,9 +69,9 @@ class MemTrace(Callback):
     - ``batch_end`` (``on_train_batch_end``)
     - ``val_batch_start`` / ``val_batch_end`` (validation batches; activations are 0 there)
 
-    **CSV** ``<trainer.log_dir>/memtrace/phases_rank<R>.csv`` (or ``<dirpath>/phases_rank<R>.csv``), one flushed
-    line per row, appended on resume. On CPU (outside the history window) a row's line is written when MemTrace next
-    reads the CPU allocator's reports: about once a second, at the steps the Trainer logs at, and when the fit ends.
+    **CSV** ``<trainer.log_dir>/memtrace/phases_rank<R>.csv`` (or ``<dirpath>/phases_rank<R>.csv``), one line per
+    row, appended on resume. Lines are written together, whole: at the end of a batch once a second has passed, as
+    the 256th row waits, at the end of each validation run, and when the fit ends or fails.
     Columns:
 
     - ``step``: the global step when the batch started (every row of a batch carries it)
@@ -148,7 +148,9 @@ class MemTrace(Callback):
     holding at least 5% of live memory. The pickle's header has it all as data (``post_mortem["what_if"]``).
 
     Args:
-        dirpath: Folder for the files. Default: ``<trainer.log_dir>/memtrace``.
+        dirpath: Folder for the files. Default: ``<trainer.log_dir>/memtrace`` (with ``logger=False``,
+            ``<default_root_dir>/memtrace``); where a ``ModelCheckpoint`` saves into ``trainer.log_dir`` itself,
+            ``<temp>/lightning_memtrace/<run id>`` instead, with one warning.
         track_allocations: Count allocations with the allocation tracker (see ``allocation_backend``). Default
             (None): on where the device's allocator has no counters (CPU), off on CUDA.
         history: Record the allocator's history for a window of steps and write a snapshot. On CUDA, where you
@@ -320,9 +322,13 @@ class MemTrace(Callback):
         if self.dirpath is not None:
             self.output_dir = self.dirpath
         else:
-            # trainer.log_dir broadcasts across ranks: resolve it here, where every rank is, never in on_exception.
-            log_dir = trainer.log_dir or trainer.default_root_dir
-            self.output_dir = Path(log_dir) / MEMTRACE_DIR
+            self.output_dir, kept_clear = memtrace_folder(trainer, self.run_id)
+            if kept_clear is not None:
+                rank_zero_warn(
+                    f"MemTrace writes into {self.output_dir}, not into {kept_clear}: a ModelCheckpoint saves there "
+                    "(pass MemTrace(dirpath=...) to choose the folder).",
+                    category=MemTraceWarning,
+                )
 
     @override
     @_guarded
