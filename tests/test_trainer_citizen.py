@@ -3,6 +3,7 @@ lets go of everything at the end of fit, and leaves validate/test alone."""
 
 from __future__ import annotations
 
+import copy
 import csv
 import pickle
 import warnings
@@ -309,6 +310,37 @@ def test_trainer_pickles_after_fit_as_without_memtrace(tmp_path):
     fresh = MemTrace()
     fresh.load_state_dict(state)
     assert fresh.state_dict() == state
+
+
+class CopiesMidFit(pl.Callback):
+    """At the second training batch's end, what pickling the Trainer and deep-copying its callbacks raise (None: ok)."""
+
+    def __init__(self) -> None:
+        self.errors: dict[str, str | None] = {}
+        self.copies: list[pl.Callback] = []
+
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step == 2 and not self.errors:
+            self.errors["pickle"] = _pickle_error(trainer)
+            try:
+                self.copies = copy.deepcopy(trainer.callbacks)
+                self.errors["deepcopy"] = None
+            except Exception as error:
+                self.errors["deepcopy"] = f"{type(error).__name__}: {error}"
+
+
+def test_trainer_pickles_and_callbacks_deep_copy_mid_fit_as_without_memtrace(tmp_path):
+    bare = CopiesMidFit()
+    trainer(tmp_path / "bare", [bare], max_steps=4).fit(MLP())
+    assert bare.errors == {"pickle": None, "deepcopy": None}  # Lightning 2.6's own Trainer and callbacks do
+    mid_fit = CopiesMidFit()
+    callback = MemTrace(dirpath=tmp_path / "mt")
+    trainer(tmp_path / "mt", [mid_fit, callback], max_steps=4).fit(MLP())
+    assert mid_fit.errors == bare.errors
+    # the copy is MemTrace as after a fit (the live recorder stays with the original), which measured on
+    (copied,) = [c for c in mid_fit.copies if isinstance(c, MemTrace)]
+    assert copied.recorder is None and copied.run_id == callback.run_id
+    assert len(load_phases(tmp_path / "mt")) == 4 * 5
 
 
 @pytest.mark.parametrize(

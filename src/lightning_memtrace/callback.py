@@ -261,6 +261,13 @@ class MemTrace(Callback):
         self._batch_step: int | None = None
         self.last_rank_maxima: dict[str, float] = {}
 
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy made mid-fit (pickle, deepcopy of the Trainer's callbacks) is MemTrace as after its fit: the live
+        # recorder (hooks, the profiling session, weak references to storages) stays with the original.
+        state = self.__dict__.copy()
+        state["recorder"] = None
+        return state
+
     # --------------------------------------------------------------------------------------------- helpers
     def _disable(self, reason: str) -> None:
         self._disabled = True
