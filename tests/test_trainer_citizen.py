@@ -687,9 +687,9 @@ def test_dataloader_workers_forked_mid_run_inherit_nothing(tmp_path, backend):
 
 @pytest.mark.parametrize("checkpoints_into_root", [True, False])
 def test_a_checkpoint_folder_holds_checkpoints_only(tmp_path, monkeypatch, checkpoints_into_root):
-    """With ``logger=False`` MemTrace writes into ``<default_root_dir>/memtrace``, but where a ModelCheckpoint saves into
-    ``default_root_dir`` itself (Lightning's own checkpoint tests list that folder) into a folder of its own in the
-    temporary folder, and says so once."""
+    """With ``logger=False`` MemTrace writes into ``<default_root_dir>/memtrace``; but where a ModelCheckpoint saves
+    into ``default_root_dir`` itself (Lightning's own checkpoint tests list that folder), into a folder of its own in
+    the temporary folder, and says so once."""
     (tmp_path / "temp").mkdir()
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "temp"))
     root = tmp_path / "run"
