@@ -21,9 +21,9 @@ _VALUES = attrgetter(*PHASE_COLUMNS)
 class PhaseCsvWriter:
     """Writes :class:`PhaseRecord` rows to a CSV file.
 
-    The rows handed over together (one, or those the allocator's reports were read for) are a single ``write`` of
-    whole lines on an unbuffered file, so a process killed mid-run leaves only whole lines. The header is written once; an existing file with the same header is appended to (resume). At most
-    ``max_rows`` rows are written by this writer.
+    The rows handed over together (the recorder gathers them for about a second) are a single ``write`` of whole
+    lines on an unbuffered file, so a process killed mid-run leaves only whole lines. The header is written once; an
+    existing file with the same header is appended to (resume). At most ``max_rows`` rows are written by this writer.
     """
 
     def __init__(self, path: str | os.PathLike, max_rows: int | None = None) -> None:
