@@ -17,6 +17,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.loggers.logger import Logger
+from lightning.pytorch.profilers import SimpleProfiler
 from lightning_memtrace import MemTrace, load_phases
 from lightning_memtrace.capture.torch_private import can_tell_saved_tensors_hooks
 from lightning_memtrace.types import COUNTERS
@@ -707,5 +708,36 @@ def test_a_checkpoint_folder_holds_checkpoints_only(tmp_path, monkeypatch, check
                         "(pass MemTrace(dirpath=...) to choose the folder)."]
     else:
         assert sorted(p.name for p in root.iterdir()) == ["checkpoints", "memtrace"]
+        assert callback.output_dir == root / "memtrace" and said == []
+    assert len(load_phases(callback.output_dir)) == 2 * 5
+
+
+@pytest.mark.parametrize("case", ["profiler_into_root", "profiler_into_log_folder", "profiler_without_file"])
+def test_a_profiler_folder_holds_its_reports_only(tmp_path, monkeypatch, case):
+    """A profiler told to write a file into ``default_root_dir`` with ``logger=False`` (Lightning's profiler tests list
+    that folder) keeps MemTrace out as a ModelCheckpoint does; a logger's folder, where the profiler writes by default,
+    is shared by design, and a profiler that writes no file owns no folder."""
+    (tmp_path / "temp").mkdir()
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "temp"))
+    root = tmp_path / "run"
+    filename = None if case == "profiler_without_file" else "perf"
+    profiler = SimpleProfiler(dirpath=None if case == "profiler_into_log_folder" else root, filename=filename)
+    logger = CSVLogger(root, name="logs", version=0) if case == "profiler_into_log_folder" else False
+    callback = MemTrace()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(root, [callback], max_steps=2, profiler=profiler, logger=logger).fit(MLP())
+    said = [str(w.message) for w in caught if "not into" in str(w.message)]
+    if case == "profiler_into_root":
+        assert sorted(p.name for p in root.iterdir()) == ["fit-perf.txt"]
+        assert callback.output_dir == tmp_path / "temp" / "lightning_memtrace" / callback.run_id
+        assert said == [f"MemTrace writes into {callback.output_dir}, not into {root}: the Trainer's profiler saves "
+                        "there (pass MemTrace(dirpath=...) to choose the folder)."]
+    elif case == "profiler_into_log_folder":
+        log_dir = root / "logs" / "version_0"
+        assert sorted(p.name for p in log_dir.iterdir()) == ["fit-perf.txt", "memtrace"]
+        assert callback.output_dir == log_dir / "memtrace" and said == []
+    else:
+        assert sorted(p.name for p in root.iterdir()) == ["memtrace"]
         assert callback.output_dir == root / "memtrace" and said == []
     assert len(load_phases(callback.output_dir)) == 2 * 5

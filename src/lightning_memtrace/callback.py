@@ -329,10 +329,11 @@ class MemTrace(Callback):
         if self.dirpath is not None:
             self.output_dir = self.dirpath
         else:
-            self.output_dir, kept_clear = memtrace_folder(trainer, self.run_id)
-            if kept_clear is not None:
+            folder = memtrace_folder(trainer, self.run_id)
+            self.output_dir = folder.path
+            if folder.kept_clear is not None:
                 rank_zero_warn(
-                    f"MemTrace writes into {self.output_dir}, not into {kept_clear}: a ModelCheckpoint saves there "
+                    f"MemTrace writes into {folder.path}, not into {folder.kept_clear}: {folder.owner} saves there "
                     "(pass MemTrace(dirpath=...) to choose the folder).",
                     category=MemTraceWarning,
                 )

@@ -1,35 +1,54 @@
-"""Where MemTrace writes in a fit: in the logger's folder, never into a folder a ``ModelCheckpoint`` saves into."""
+"""Where MemTrace writes in a fit: in the logger's folder, never into a folder that another writer of the Trainer was
+given as its own (a ``ModelCheckpoint``'s, a file-writing profiler's)."""
 
 from __future__ import annotations
 
 import os
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import lightning.pytorch as pl
 
 from lightning_memtrace.files import MEMTRACE_DIR, TEMP_FOLDER
 
 
-def memtrace_folder(trainer: pl.Trainer, run_id: str) -> tuple[Path, Path | None]:
-    """``<trainer.log_dir>/memtrace`` (with ``logger=False``, Lightning's ``log_dir`` is ``default_root_dir``), and
-    None; or, where a ``ModelCheckpoint`` saves into that very folder, ``<temp>/lightning_memtrace/<run_id>`` and the
-    folder kept clear.
+class MemTraceFolder(NamedTuple):
+    """The folder MemTrace writes into, and where that is not the usual one, the folder kept clear and why."""
 
-    A checkpoint folder holds checkpoints only (scripts and tests list it, or take its newest entry, to find the last
-    checkpoint), so MemTrace puts no folder there. ``trainer.log_dir`` broadcasts across ranks: call this where every
-    rank is (``setup``), never in an exception handler.
+    path: Path
+    #: The folder MemTrace would have written under and keeps out of (None where it writes there).
+    kept_clear: Path | None = None
+    #: What saves into ``kept_clear``, as said in the warning ("a ModelCheckpoint", "the Trainer's profiler").
+    owner: str | None = None
+
+
+def memtrace_folder(trainer: pl.Trainer, run_id: str) -> MemTraceFolder:
+    """``<trainer.log_dir>/memtrace`` (with ``logger=False``, Lightning's ``log_dir`` is ``default_root_dir``); or,
+    where another writer saves into that very folder, ``<temp>/lightning_memtrace/<run_id>``.
+
+    Such a folder holds that writer's files only: scripts and tests list a checkpoint folder, or take its newest entry,
+    to find the last checkpoint, and list a profiler's folder to find its reports. A logger's folder is shared by
+    design (the logger's files, a profiler's, MemTrace's side by side), so a profiler writing into it is no reason to
+    keep out. ``trainer.log_dir`` broadcasts across ranks: call this where every rank is (``setup``), never in an
+    exception handler.
     """
     parent = Path(trainer.log_dir or trainer.default_root_dir)
-    if _checkpoints_saved_into(trainer, parent):
-        return Path(tempfile.gettempdir()) / TEMP_FOLDER / run_id, parent
-    return parent / MEMTRACE_DIR, None
+    owner = _owner_of(trainer, os.path.realpath(parent))
+    if owner is not None:
+        return MemTraceFolder(Path(tempfile.gettempdir()) / TEMP_FOLDER / run_id, parent, owner)
+    return MemTraceFolder(parent / MEMTRACE_DIR)
 
 
-def _checkpoints_saved_into(trainer: pl.Trainer, folder: Path) -> bool:
-    here = os.path.realpath(folder)
+def _owner_of(trainer: pl.Trainer, here: str) -> str | None:
     for callback in trainer.checkpoint_callbacks:
         dirpath = getattr(callback, "dirpath", None)  # None until its setup where not given: never the log folder
         if dirpath is not None and os.path.realpath(str(dirpath)) == here:
-            return True
-    return False
+            return "a ModelCheckpoint"
+    if not trainer.loggers:
+        # Lightning sets the profiler up before the callbacks: its folder is known here (the one given, else log_dir).
+        profiler = trainer.profiler
+        dirpath = getattr(profiler, "dirpath", None)
+        if getattr(profiler, "filename", None) and dirpath is not None and os.path.realpath(str(dirpath)) == here:
+            return "the Trainer's profiler"
+    return None
