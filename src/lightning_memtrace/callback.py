@@ -149,8 +149,9 @@ class MemTrace(Callback):
 
     Args:
         dirpath: Folder for the files. Default: ``<trainer.log_dir>/memtrace`` (with ``logger=False``,
-            ``<default_root_dir>/memtrace``); where a ``ModelCheckpoint`` saves into ``trainer.log_dir`` itself,
-            ``<temp>/lightning_memtrace/<run id>`` instead, with one warning.
+            ``<default_root_dir>/memtrace``); where a ``ModelCheckpoint`` saves into ``trainer.log_dir`` itself, or
+            with ``logger=False`` a profiler writes its report file there, ``<temp>/lightning_memtrace/<run id>``
+            instead, with one warning.
         track_allocations: Count allocations with the allocation tracker (see ``allocation_backend``). Default
             (None): on where the device's allocator has no counters (CPU), off on CUDA.
         history: Record the allocator's history for a window of steps and write a snapshot. On CUDA, where you
