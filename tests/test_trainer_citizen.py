@@ -20,6 +20,7 @@ from lightning.pytorch.loggers.logger import Logger
 from lightning.pytorch.profilers import SimpleProfiler
 from lightning_memtrace import MemTrace, load_phases
 from lightning_memtrace.capture.torch_private import can_tell_saved_tensors_hooks
+from lightning_memtrace.trainer.folder import TEMP_RUNS_KEPT
 from lightning_memtrace.types import COUNTERS
 from lm_helpers import MLP, trainer
 
@@ -710,6 +711,29 @@ def test_a_checkpoint_folder_holds_checkpoints_only(tmp_path, monkeypatch, check
         assert sorted(p.name for p in root.iterdir()) == ["checkpoints", "memtrace"]
         assert callback.output_dir == root / "memtrace" and said == []
     assert len(load_phases(callback.output_dir)) == 2 * 5
+
+
+def test_the_temporary_folder_keeps_the_newest_runs_only(tmp_path, monkeypatch):
+    """Runs kept out of a checkpoint folder pile up in one temporary folder: as a run starts there, the oldest runs'
+    folders beyond ``TEMP_RUNS_KEPT`` go; anything else in it (a file, a folder of another name) stays."""
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    runs = tmp_path / "lightning_memtrace"
+    old_runs = [f"202601{day:02d}T000000-abcdef" for day in range(1, 26)]
+    for name in old_runs:
+        (runs / name).mkdir(parents=True)
+        (runs / name / "phases_rank0.csv").write_text("step\n")
+    (runs / "mine").mkdir()
+    (runs / "notes.txt").write_text("kept")
+    root = tmp_path / "run"
+    callback = MemTrace()
+    checkpoint = ModelCheckpoint(dirpath=root, save_top_k=-1, every_n_train_steps=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer(root, [checkpoint, callback], max_steps=1, enable_checkpointing=True).fit(MLP())
+    assert callback.output_dir == runs / callback.run_id
+    kept = sorted(p.name for p in runs.iterdir())
+    assert kept == sorted(old_runs[-(TEMP_RUNS_KEPT - 1):] + [callback.run_id, "mine", "notes.txt"])
+    assert len(load_phases(callback.output_dir)) == 5
 
 
 @pytest.mark.parametrize("case", ["profiler_into_root", "profiler_into_log_folder", "profiler_without_file"])

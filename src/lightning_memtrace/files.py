@@ -7,7 +7,7 @@ import re
 #: The folder under a logger's ``log_dir`` that MemTrace writes into.
 MEMTRACE_DIR = "memtrace"
 #: The folder in the system's temporary folder that holds a fit's folder (named by its run id) where its ``log_dir``
-#: is a ``ModelCheckpoint``'s folder.
+#: is a ``ModelCheckpoint``'s or a profiler's folder (see ``trainer/folder.py``).
 TEMP_FOLDER = "lightning_memtrace"
 
 #: The per-phase table of a rank, and the pattern that finds every rank's.

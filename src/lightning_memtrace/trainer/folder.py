@@ -4,6 +4,8 @@ given as its own (a ``ModelCheckpoint``'s, a file-writing profiler's)."""
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import tempfile
 from pathlib import Path
 from typing import NamedTuple
@@ -11,6 +13,11 @@ from typing import NamedTuple
 import lightning.pytorch as pl
 
 from lightning_memtrace.files import MEMTRACE_DIR, TEMP_FOLDER
+
+#: How many runs' folders the temporary folder keeps: where a new run starts there, the oldest beyond these go.
+TEMP_RUNS_KEPT = 20
+#: A folder of the temporary folder that MemTrace made for a run (named by its run id, see ``new_run_id``).
+_RUN_FOLDER = re.compile(r"\d{8}T\d{6}-[0-9a-f]{6}")
 
 
 class MemTraceFolder(NamedTuple):
@@ -25,7 +32,8 @@ class MemTraceFolder(NamedTuple):
 
 def memtrace_folder(trainer: pl.Trainer, run_id: str) -> MemTraceFolder:
     """``<trainer.log_dir>/memtrace`` (with ``logger=False``, Lightning's ``log_dir`` is ``default_root_dir``); or,
-    where another writer saves into that very folder, ``<temp>/lightning_memtrace/<run_id>``.
+    where another writer saves into that very folder, ``<temp>/lightning_memtrace/<run_id>``, where the oldest runs'
+    folders beyond :data:`TEMP_RUNS_KEPT` go as this one starts.
 
     Such a folder holds that writer's files only: scripts and tests list a checkpoint folder, or take its newest entry,
     to find the last checkpoint, and list a profiler's folder to find its reports. A logger's folder is shared by
@@ -36,8 +44,27 @@ def memtrace_folder(trainer: pl.Trainer, run_id: str) -> MemTraceFolder:
     parent = Path(trainer.log_dir or trainer.default_root_dir)
     owner = _owner_of(trainer, os.path.realpath(parent))
     if owner is not None:
-        return MemTraceFolder(Path(tempfile.gettempdir()) / TEMP_FOLDER / run_id, parent, owner)
+        runs = Path(tempfile.gettempdir()) / TEMP_FOLDER
+        if trainer.is_global_zero:
+            _drop_oldest_runs(runs, keep=TEMP_RUNS_KEPT - 1, current=run_id)
+        return MemTraceFolder(runs / run_id, parent, owner)
     return MemTraceFolder(parent / MEMTRACE_DIR)
+
+
+def _drop_oldest_runs(runs: Path, keep: int, current: str) -> None:
+    """Remove the run folders there but the newest ``keep`` (never the current run's), so that the temporary folder
+    does not grow run after run; anything else there is left alone, and a folder that cannot be removed stays."""
+    try:
+        with os.scandir(runs) as entries:
+            names = sorted(
+                entry.name
+                for entry in entries
+                if entry.is_dir(follow_symlinks=False) and _RUN_FOLDER.fullmatch(entry.name) and entry.name != current
+            )
+    except OSError:  # no such folder yet, or unreadable: nothing to drop
+        return
+    for name in names[: max(0, len(names) - keep)]:  # run ids sort by their start time
+        shutil.rmtree(runs / name, ignore_errors=True)
 
 
 def _owner_of(trainer: pl.Trainer, here: str) -> str | None:
