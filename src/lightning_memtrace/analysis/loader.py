@@ -20,7 +20,9 @@ import io
 import os
 import pickle
 import re
+import select
 import stat
+import sys
 import zipfile
 import zlib
 from collections.abc import Callable
@@ -40,6 +42,9 @@ DEFAULT_MAX_BYTES = 8 * 1024**3
 PROGRESS_THRESHOLD_BYTES = 16 * 1024**2
 
 _CHUNK = 4 * 1024**2
+
+#: How long a named pipe may stay silent (no writer, nothing written) before the loader gives up on it, in seconds.
+PIPE_WAIT_SECONDS = 60.0
 
 #: The only globals a snapshot pickle may name: harmless constructors of plain containers.
 _ALLOWED_GLOBALS: dict[tuple[str, str], Any] = {
@@ -209,14 +214,38 @@ def _refuse_foreign_head(head: bytes, where: str) -> None:
         raise SnapshotError(f"{where}: {_NOT_A_SNAPSHOT_FILE}")
 
 
+def _open_pipe(path: Path) -> Any:
+    """Open a named pipe for reading once something is written into it, or its writer has come and gone.
+
+    A plain open of a pipe that no process writes into waits for ever (``memtrace report`` on a stray ``mkfifo``):
+    opened without waiting, the pipe is watched for at most :data:`PIPE_WAIT_SECONDS`, then read as usual. A pipe of
+    the shell's (``<(zcat run.pickle.gz)``) has its writer already and goes straight on. Linux only: elsewhere ``poll``
+    on a pipe is unreliable, and the open waits as before.
+    """
+    if not sys.platform.startswith("linux"):
+        return open(path, "rb")
+    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        watcher = select.poll()
+        watcher.register(descriptor, select.POLLIN | select.POLLHUP)
+        if not watcher.poll(int(PIPE_WAIT_SECONDS * 1000)):
+            raise SnapshotError(f"{path}: a pipe with nothing written into it for {PIPE_WAIT_SECONDS:g} s")
+        os.set_blocking(descriptor, True)
+        return open(descriptor, "rb")
+    except BaseException:
+        os.close(descriptor)
+        raise
+
+
 def _read_capped(path: Path, max_bytes: int, progress: Callable[[int, int], None] | None) -> bytes:
-    size = path.stat().st_size
+    status = path.stat()
+    size = status.st_size
     if size > max_bytes:
         raise SnapshotError(
             f"{path}: {format_bytes(size)} is over the size limit of {format_bytes(max_bytes)} "
             "(raise it with max_bytes / --max-bytes)"
         )
-    with open(path, "rb") as handle:
+    with _open_pipe(path) if stat.S_ISFIFO(status.st_mode) else open(path, "rb") as handle:
         head = handle.read(4096)
         _refuse_foreign_head(head, str(path))
         if progress is None or size < PROGRESS_THRESHOLD_BYTES:
