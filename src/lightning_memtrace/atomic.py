@@ -2,7 +2,9 @@
 
 The temporary file is created with mode ``0o666`` under the process umask, exactly as a plain ``open(path, "w")``
 would create the target, so the renamed file is as readable as the rest of the log folder (``tempfile.mkstemp``
-would give ``0o600``).
+would give ``0o600``). Where a plain ``open`` would write elsewhere than the path's own directory entry, so does this:
+through a symbolic link into its target (the link stays), and into a device or a pipe in place (``-o /dev/stdout``;
+a rename would put a regular file where the device was).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import os
 import pickle
 import secrets
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -29,9 +32,27 @@ def _open_temporary(target: Path) -> tuple[BinaryIO, Path]:
     raise FileExistsError(f"could not create a temporary file beside {target}")
 
 
+def _special_file(path: Path) -> bool:
+    """Whether ``path`` is, or links to, something other than a regular file or a folder (a device, a pipe)."""
+    try:
+        mode = os.stat(path).st_mode  # follows links, /dev/stdout's through /proc too
+    except OSError:
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
+
+
 def atomic_write_with(path: str | os.PathLike, write: Callable[[BinaryIO], Any]) -> Path:
-    """Call ``write(handle)`` on a temporary file beside ``path``, then rename it to ``path``."""
-    target = Path(path)
+    """Call ``write(handle)`` on a temporary file beside ``path``, then rename it to ``path``.
+
+    Returns:
+        ``path``, as given.
+    """
+    given = Path(path)
+    if _special_file(given):
+        with open(given, "wb") as handle:
+            write(handle)
+        return given
+    target = Path(os.path.realpath(given)) if given.is_symlink() else given
     target.parent.mkdir(parents=True, exist_ok=True)
     handle, tmp = _open_temporary(target)
     try:
@@ -46,7 +67,7 @@ def atomic_write_with(path: str | os.PathLike, write: Callable[[BinaryIO], Any])
         except OSError:
             pass
         raise
-    return target
+    return given
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:

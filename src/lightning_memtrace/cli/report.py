@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import stat
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +63,9 @@ def run(args: argparse.Namespace) -> int:
             progress=callback,
             **loader_kwargs(args),
         )
-    size = out.stat().st_size
-    print(f"wrote {out} ({format_bytes(size)})" + (f" and {args.png}" if args.png else ""))
+    said = f" and {args.png}" if args.png else ""
+    if stat.S_ISREG(out.stat().st_mode):
+        print(f"wrote {out} ({format_bytes(out.stat().st_size)}){said}")
+    else:  # the page went to a pipe or the terminal (-o /dev/stdout): stdout holds the page only
+        print(f"wrote {out}{said}", file=sys.stderr)
     return 0
