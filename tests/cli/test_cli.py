@@ -318,3 +318,18 @@ def test_output_under_a_file_is_one_clear_line(tmp_path: Path, capsys: pytest.Ca
     assert "is a file, not a folder" in line
     assert_one_line_error(capsys, run_main(["report", snapshot, "-o", str(tmp_path)]), "is a folder")
     assert not (tmp_path / "r.html").exists()
+
+
+def test_a_hostile_snapshot_cannot_drive_the_terminal(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Names in a snapshot are untrusted text: escape sequences in them are shown as ``\\x1b``, not written to the
+    terminal (they could retitle it, recolour it, hide lines), and rich markup in them stays text."""
+    name = "\x1b]0;owned\x07\x1b[31mred\x1b[0m[bold red]tag[/bold red]\x9b2J"
+    frames = [{"filename": f"{name}.py", "line": 7, "name": name}]
+    snapshot = {"segments": [], "device_traces": [[{"action": "alloc", "addr": 0, "size": 4096, "stream": 0,
+                                                    "frames": frames, "time_us": 1}]]}
+    path = tmp_path / "hostile.pickle"
+    path.write_bytes(pickle.dumps(snapshot, protocol=4))
+    assert run_main(["summary", str(path), "--sites", "1"]) == 0
+    out = capsys.readouterr().out
+    assert not any(ord(c) < 0x20 and c not in "\n\t" or 0x7F <= ord(c) < 0xA0 for c in out)
+    assert "[bold red]tag[/bold red]" in out and "\\x1b[31mred" in out

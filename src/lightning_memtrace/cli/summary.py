@@ -49,10 +49,8 @@ def info_table(view: Any) -> Any:
     else:
         rows.append(["categories", f"recorded by MemTrace ({view.inferred_percent:.0f}% of the peak inferred)"])
     if view.category_rules:
-        from rich.markup import escape
-
         rules = ", ".join(f"{name}={pattern}" for name, pattern in view.category_rules.items())
-        rows.append(["category rules", escape(rules)])
+        rows.append(["category rules", rules])
     columns = [("figure", "left"), ("value", "right")]
     return _table(f"{view.name} (device {view.device})", columns, rows, show_header=False)
 
@@ -113,14 +111,12 @@ def sites_table(view: Any, width: int | None = None, title: str = "largest alloc
 
 
 def ranks_table(overview: Any) -> Any:
-    from rich.markup import escape
-
     columns = [("rank", "right"), ("snapshot", "left"), ("peak (snapshot)", "right"), ("exact", "right")]
     columns += [(f"max {phase} (CSV)", "right") for phase in overview.phase_columns]
     rows = [
         [
             str(r.rank),
-            escape(r.snapshot.path.name) if r.snapshot is not None else "(none)",
+            r.snapshot.path.name if r.snapshot is not None else "(none)",
             format_bytes(r.peak_bytes) if r.peak_bytes is not None else "",
             f"{r.peak_bytes:,} B" if r.peak_bytes is not None else "",
             *[format_bytes(r.phase_peaks[p]) if p in r.phase_peaks else "" for p in overview.phase_columns],
@@ -166,8 +162,6 @@ def _duration(us: int | None) -> str:
 def annotations_table(dev: Any, max_rows: int = MAX_ANNOTATED_RANGES) -> Any | None:
     """The device's annotated ranges (torch's ``external_annotations``: ``record_function`` ranges, MemTrace's
     phases): live bytes at each START and END, the peak inside and its largest categories; None when it has none."""
-    from rich.markup import escape
-
     from lightning_memtrace.analysis.annotations import annotated_ranges
     from lightning_memtrace.types import category_label
 
@@ -179,7 +173,7 @@ def annotations_table(dev: Any, max_rows: int = MAX_ANNOTATED_RANGES) -> Any | N
         top = ", ".join(f"{category_label(c)} {format_bytes(b)}" for c, b in list(r.by_category.items())[:3])
         rows.append(
             [
-                escape("  " * min(r.depth, 6) + r.name + ("" if r.start_us is not None else " (started before)")),
+                "  " * min(r.depth, 6) + r.name + ("" if r.start_us is not None else " (started before)"),
                 str(r.step) if r.step >= 0 else "",
                 _duration(r.duration_us),
                 format_bytes(r.start_live_bytes),
@@ -207,8 +201,6 @@ def annotations_table(dev: Any, max_rows: int = MAX_ANNOTATED_RANGES) -> Any | N
 def compile_context_table(dev: Any) -> Any | None:
     """Live bytes at the peak by ``torch.compile`` context (CUDA events recorded with ``compile_context``), with
     each context's largest site; None when the events carry no compile context."""
-    from rich.markup import escape
-
     from lightning_memtrace.analysis.annotations import compile_context_sites
     from lightning_memtrace.types import category_label
 
@@ -217,11 +209,11 @@ def compile_context_table(dev: Any) -> Any | None:
         return None
     rows = [
         [
-            escape(g["compile_context"] or "(not compiled / before the trace)"),
+            g["compile_context"] or "(not compiled / before the trace)",
             format_bytes(g["bytes"]),
             f"{g['bytes']:,}",
             f"{g['count']:,}",
-            escape(f"{g['sites'][0]['site']} ({category_label(g['sites'][0]['category'])})") if g["sites"] else "",
+            f"{g['sites'][0]['site']} ({category_label(g['sites'][0]['category'])})" if g["sites"] else "",
         ]
         for g in groups
     ]
@@ -282,9 +274,7 @@ def run(args: argparse.Namespace) -> int:
         out.print(f"{args.path}: {len(sources)} runs, oldest first", markup=False)
     for source in sources:
         if len(sources) > 1:
-            from rich.markup import escape
-
-            out.rule(escape(f"run: {source.label}"), characters="=")
+            out.rule(f"run: {source.label}", characters="=")
         if question.empty and args.device is None:
             print_source(out, source, args.sites)
         else:
