@@ -333,3 +333,23 @@ def test_a_hostile_snapshot_cannot_drive_the_terminal(tmp_path: Path, capsys: py
     out = capsys.readouterr().out
     assert not any(ord(c) < 0x20 and c not in "\n\t" or 0x7F <= ord(c) < 0xA0 for c in out)
     assert "[bold red]tag[/bold red]" in out and "\\x1b[31mred" in out
+
+
+def test_a_phases_csv_without_a_complete_row(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every line of the table has a field that is no number (or the run died before its first row): one line for
+    each command, not ``cannot convert float NaN to integer``; with a snapshot beside it, the snapshot's report."""
+    from lightning_memtrace.types import PHASE_COLUMNS
+
+    folder = tmp_path / "memtrace"
+    folder.mkdir()
+    row = {c: "1" for c in PHASE_COLUMNS} | {"phase": "batch_start", "run": "r", "allocated_bytes": "abc"}
+    (folder / "phases_rank0.csv").write_text(",".join(PHASE_COLUMNS) + "\n" + ",".join(row[c] for c in PHASE_COLUMNS)
+                                             + "\n")
+    said = f"{folder}: its phases CSV has no complete row (a field missing or not a number)"
+    for command in (["report", str(tmp_path), "-o", str(tmp_path / "r.html")], ["summary", str(tmp_path)],
+                    ["diff", str(tmp_path), str(tmp_path)]):
+        assert assert_one_line_error(capsys, run_main(command)) == f"memtrace: error: {said}"
+    snapshot = {"segments": [], "device_traces": [[{"action": "alloc", "addr": 0, "size": 512, "frames": []}]]}
+    (folder / "snapshot_rank0_steps1-2.pickle").write_bytes(pickle.dumps(snapshot, protocol=4))
+    assert run_main(["report", str(tmp_path), "-o", str(tmp_path / "r.html")]) == 0
+    assert (tmp_path / "r.html").is_file()

@@ -179,6 +179,10 @@ def _folder_sources(
     """One source per run written into ``folder``; snapshots without a known run id go with the newest run."""
     phases = _load_folder_phases(folder)
     snapshots = [_load_file(file, max_bytes, progress, rules) for file in _folder_files(folder)]
+    if phases is not None and phases.empty:  # every line cut short or not numbers: there is nothing to show of it
+        if not snapshots:
+            raise SnapshotError(f"{folder}: its phases CSV has no complete row (a field missing or not a number)")
+        phases = None
     runs = _runs_in(phases)
     if len(runs) <= 1:
         return [ReportSource(folder, snapshots, phases, min(runs[0]) if runs else "", label)]
