@@ -89,6 +89,24 @@ def test_png_leaves_the_users_matplotlib_alone(tmp_path: Path) -> None:
         matplotlib.use(backend)
 
 
+def test_png_draws_dollar_names_as_text_and_ignores_usetex(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run or file name with a pair of ``$`` (``snap$\\frac{$.pickle``) was read as a broken mathtext formula and
+    stopped the drawing; a matplotlibrc with ``text.usetex: True`` sent the labels to a LaTeX that is not installed.
+    The title shows the name as written; the user's setting is back afterwards."""
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    from lightning_memtrace.report.png import timeline_figure, write_png
+
+    rep = _hundred_mib_replay()
+    monkeypatch.setitem(matplotlib.rcParams, "text.usetex", True)
+    png = write_png(rep.main, timeline_data(rep.main), tmp_path / "t.png", "snap$\\frac{$.pickle")
+    assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n") and matplotlib.rcParams["text.usetex"] is True
+    with matplotlib.rc_context({"text.usetex": False}):
+        title = timeline_figure(rep.main, timeline_data(rep.main), "cost $x$ of run").axes[0].title
+        assert title.get_text() == "cost \\$x\\$ of run"
+
+
 def test_pre_existing_and_other_have_distinct_colours() -> None:
     colours = list(CATEGORY_COLORS.values())
     assert len(set(colours)) == len(colours)

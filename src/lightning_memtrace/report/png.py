@@ -13,6 +13,16 @@ from lightning_memtrace.report.style import category_color
 from lightning_memtrace.types import category_label
 from lightning_memtrace.units import format_bytes
 
+#: The settings the picture is drawn under whatever the user's matplotlibrc says: ``text.usetex`` would hand every
+#: label to a LaTeX that may not be installed.
+_DRAWN_WITH = {"text.usetex": False}
+
+
+def _literal(text: str) -> str:
+    """``text`` drawn as it is: a pair of ``$`` in a file or category name would be read as mathtext (and a bad
+    formula there stops the drawing)."""
+    return text.replace("$", r"\$")
+
 
 def timeline_figure(dev: DeviceReplay, data: TimelineData, title: str) -> Any:
     """The matplotlib figure of the stacked timeline: the unit picked from the data, the legend outside the axes (it
@@ -35,7 +45,7 @@ def timeline_figure(dev: DeviceReplay, data: TimelineData, title: str) -> Any:
         ax.stackplot(
             data.x,
             *[data.series[c].to_numpy() / unit for c in cats],
-            labels=[category_label(c) for c in cats],
+            labels=[_literal(category_label(c)) for c in cats],
             colors=[category_color(c, dev.rule_categories) for c in cats],
             step="post",
             alpha=0.9,
@@ -55,7 +65,7 @@ def timeline_figure(dev: DeviceReplay, data: TimelineData, title: str) -> Any:
         )
     ax.set_xlabel(data.x_title)
     ax.set_ylabel(unit_name)
-    ax.set_title(title[:120])
+    ax.set_title(_literal(title[:120]))
     ax.set_ylim(bottom=0, top=(top / unit) * 1.12 if top > 0 else 1)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, fontsize=8)
     fig.tight_layout()
@@ -64,7 +74,10 @@ def timeline_figure(dev: DeviceReplay, data: TimelineData, title: str) -> Any:
 
 def write_png(dev: DeviceReplay, data: TimelineData, png_path: str | os.PathLike[str], title: str) -> Path:
     """A static PNG of the stacked timeline (matplotlib, Agg)."""
-    fig = timeline_figure(dev, data, title)
-    out = Path(png_path)
-    atomic_write_with(out, lambda handle: fig.savefig(handle, format="png"))
+    import matplotlib
+
+    with matplotlib.rc_context(_DRAWN_WITH):
+        fig = timeline_figure(dev, data, title)
+        out = Path(png_path)
+        atomic_write_with(out, lambda handle: fig.savefig(handle, format="png"))
     return out
