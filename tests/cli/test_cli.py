@@ -353,3 +353,12 @@ def test_a_phases_csv_without_a_complete_row(tmp_path: Path, capsys: pytest.Capt
     (folder / "snapshot_rank0_steps1-2.pickle").write_bytes(pickle.dumps(snapshot, protocol=4))
     assert run_main(["report", str(tmp_path), "-o", str(tmp_path / "r.html")]) == 0
     assert (tmp_path / "r.html").is_file()
+
+
+def test_an_error_line_quoting_a_hostile_pickle_shows_its_escapes(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """The refusal names the global the pickle asks for, which the file chose: its escape sequences are shown."""
+    path = tmp_path / "escape.pickle"
+    path.write_bytes(b"\x80\x02cos\x1b]0;owned\x07\nsystem\n.")
+    line = assert_one_line_error(capsys, run_main(["summary", str(path)]), "Python object os\\x1b]0;owned\\x07.system")
+    assert "\x1b" not in line and "\x07" not in line

@@ -8,6 +8,8 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
+from lightning_memtrace.cli.console import visible
+
 PROG = "memtrace"
 #: Exit status of any error.
 ERROR_EXIT = 2
@@ -18,8 +20,9 @@ class CliError(Exception):
 
 
 def error_text(message: str) -> str:
-    """``memtrace: error: <message on one line>``."""
-    line = " ".join(str(message).split())
+    """``memtrace: error: <message on one line>``, its control characters shown as ``\\xNN`` (a message can quote a
+    hostile file: the names a pickle asks for, a path)."""
+    line = visible(" ".join(str(message).split()))
     return f"{PROG}: error: {line}"
 
 
