@@ -35,6 +35,18 @@ def test_atomic_write_gets_plain_open_mode(tmp_path, umask):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["atomic", "plain"]  # no temporary left behind
 
 
+def test_atomic_write_keeps_the_mode_of_the_file_it_replaces(tmp_path, umask):
+    """``chmod 600 report.html`` stays: a plain ``open`` of an existing file keeps its mode."""
+    (tmp_path / "private").write_bytes(b"old")
+    os.chmod(tmp_path / "private", 0o600)
+    (tmp_path / "shared").write_bytes(b"old")
+    os.chmod(tmp_path / "shared", 0o664)
+    atomic_write_bytes(tmp_path / "private", b"new")
+    atomic_write_bytes(tmp_path / "shared", b"new")
+    assert _mode(tmp_path / "private") == 0o600 and (tmp_path / "private").read_bytes() == b"new"
+    assert _mode(tmp_path / "shared") == 0o664 and (tmp_path / "shared").read_bytes() == b"new"
+
+
 def test_atomic_write_goes_where_a_plain_open_would_through_a_link(tmp_path):
     """A link is followed (its target gets the bytes, atomically), as ``open`` follows it; the link stays a link."""
     (tmp_path / "real.html").write_bytes(b"old")

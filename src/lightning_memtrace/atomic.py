@@ -2,9 +2,10 @@
 
 The temporary file is created with mode ``0o666`` under the process umask, exactly as a plain ``open(path, "w")``
 would create the target, so the renamed file is as readable as the rest of the log folder (``tempfile.mkstemp``
-would give ``0o600``). Where a plain ``open`` would write elsewhere than the path's own directory entry, so does this:
-through a symbolic link into its target (the link stays), and into a device or a pipe in place (``-o /dev/stdout``;
-a rename would put a regular file where the device was).
+would give ``0o600``); a file written again keeps its mode, as with ``open``. Where a plain ``open`` would write
+elsewhere than the path's own directory entry, so does this: through a symbolic link into its target (the link
+stays), and into a device or a pipe in place (``-o /dev/stdout``; a rename would put a regular file where the device
+was).
 """
 
 from __future__ import annotations
@@ -41,6 +42,17 @@ def _special_file(path: Path) -> bool:
     return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
 
 
+def _keep_mode_of(target: Path, tmp: Path) -> None:
+    """Give the temporary file the mode of the file it replaces: a plain ``open`` of an existing file keeps its mode
+    (a report made private with ``chmod 600`` stays private when written again)."""
+    try:
+        mode = os.stat(target).st_mode
+    except OSError:  # a new file: the umask's mode, from its creation
+        return
+    if stat.S_ISREG(mode):
+        os.chmod(tmp, stat.S_IMODE(mode))
+
+
 def atomic_write_with(path: str | os.PathLike, write: Callable[[BinaryIO], Any]) -> Path:
     """Call ``write(handle)`` on a temporary file beside ``path``, then rename it to ``path``.
 
@@ -59,6 +71,7 @@ def atomic_write_with(path: str | os.PathLike, write: Callable[[BinaryIO], Any])
         with handle:
             write(handle)
             handle.flush()
+            _keep_mode_of(target, tmp)
             os.fsync(handle.fileno())
         os.replace(tmp, target)
     except BaseException:
