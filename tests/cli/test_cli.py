@@ -362,3 +362,23 @@ def test_an_error_line_quoting_a_hostile_pickle_shows_its_escapes(tmp_path: Path
     path.write_bytes(b"\x80\x02cos\x1b]0;owned\x07\nsystem\n.")
     line = assert_one_line_error(capsys, run_main(["summary", str(path)]), "Python object os\\x1b]0;owned\\x07.system")
     assert "\x1b" not in line and "\x07" not in line
+
+
+@pytest.mark.parametrize("name", ["run [a]", "run *?", "run [!x]{1}"])
+def test_a_log_folder_named_like_a_glob_pattern(tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str) -> None:
+    """The folder's name is a name: its files were looked up with the name read as a pattern (``[a]`` matched ``a``
+    only), so a run under ``default_root_dir="run [a]"`` had "a directory without MemTrace files" and no report."""
+    from lightning_memtrace import load_phases
+    from lightning_memtrace.types import PHASE_COLUMNS
+
+    folder = tmp_path / name / "memtrace"
+    folder.mkdir(parents=True)
+    row = {c: "1" for c in PHASE_COLUMNS} | {"phase": "batch_start", "run": "r", "time_s": "1.5"}
+    (folder / "phases_rank0.csv").write_text(",".join(PHASE_COLUMNS) + "\n" + ",".join(row[c] for c in PHASE_COLUMNS)
+                                             + "\n")
+    snapshot = {"segments": [], "device_traces": [[{"action": "alloc", "addr": 0, "size": 512, "frames": []}]]}
+    (folder / "snapshot_rank0_steps1-2.pickle").write_bytes(pickle.dumps(snapshot, protocol=4))
+    assert len(load_phases(tmp_path / name)) == len(load_phases(folder)) == 1
+    assert run_main(["summary", str(tmp_path / name)]) == 0
+    assert run_main(["report", str(folder), "-o", str(tmp_path / "r.html")]) == 0
+    assert "512" in (tmp_path / "r.html").read_text(encoding="utf-8")

@@ -21,10 +21,12 @@ def _phase_files(path: str | os.PathLike) -> list[Path]:
     if target.is_file():
         return [target]
     candidates = []
-    for folder in (target, target / MEMTRACE_DIR):
-        candidates.extend(Path(p) for p in glob.glob(str(folder / PHASES_GLOB)))
+    here = glob.escape(str(target))  # a folder named "run [a]" is a name, not a pattern
+    for folder in (here, os.path.join(here, MEMTRACE_DIR)):
+        candidates.extend(Path(p) for p in glob.glob(os.path.join(folder, PHASES_GLOB)))
     if not candidates:
-        candidates = [Path(p) for p in glob.glob(str(target / "**" / MEMTRACE_DIR / PHASES_GLOB), recursive=True)]
+        pattern = os.path.join(here, "**", MEMTRACE_DIR, PHASES_GLOB)
+        candidates = [Path(p) for p in glob.glob(pattern, recursive=True)]
     return sorted(set(candidates), key=lambda p: (rank_of(p.name) or 0, str(p)))
 
 

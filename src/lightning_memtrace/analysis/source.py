@@ -86,7 +86,8 @@ def _natural_key(path: Path) -> list[Any]:
 
 
 def _holds_memtrace_files(folder: Path) -> bool:
-    return any(glob.glob(str(folder / pattern)) for pattern in (PHASES_GLOB, *SNAPSHOT_PATTERNS))
+    here = glob.escape(str(folder))  # a folder named "run [a]" is a name, not a pattern
+    return any(glob.glob(os.path.join(here, pattern)) for pattern in (PHASES_GLOB, *SNAPSHOT_PATTERNS))
 
 
 #: How deep below the folder passed the search for ``memtrace`` folders goes (``lightning_logs/version_0/memtrace`` is
@@ -139,8 +140,9 @@ def run_folders(path: str | os.PathLike[str]) -> list[Path]:
 
 def _folder_files(folder: Path) -> list[Path]:
     files: set[Path] = set()
+    here = glob.escape(str(folder))
     for pattern in SNAPSHOT_PATTERNS:
-        files.update(Path(p) for p in glob.glob(str(folder / pattern)))
+        files.update(Path(p) for p in glob.glob(os.path.join(here, pattern)))
     return sorted((f for f in files if not f.name.endswith(".tmp")), key=lambda p: ((rank_of(p.name) or 0), p.name))
 
 
