@@ -382,3 +382,22 @@ def test_a_log_folder_named_like_a_glob_pattern(tmp_path: Path, capsys: pytest.C
     assert run_main(["summary", str(tmp_path / name)]) == 0
     assert run_main(["report", str(folder), "-o", str(tmp_path / "r.html")]) == 0
     assert "512" in (tmp_path / "r.html").read_text(encoding="utf-8")
+
+
+def test_a_report_never_overwrites_its_input_or_another_snapshot(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """``memtrace report snap.pickle -o snap.pickle`` (a slip of the shell's history) replaced the snapshot with the
+    page; so would ``-o`` another snapshot or a phases table. A page over an older page is fine."""
+    snapshot = pickle.dumps({"segments": [], "device_traces": [[{"action": "alloc", "addr": 0, "size": 512,
+                                                                 "frames": []}]]}, protocol=4)
+    source, other, rows = tmp_path / "snap.pickle", tmp_path / "other.pkl", tmp_path / "phases_rank0.csv"
+    source.write_bytes(snapshot)
+    other.write_bytes(snapshot)
+    rows.write_text("step\n")
+    cases = [("-o", source, "it is the input"), ("--png", source, "it is the input"),
+             ("-o", other, "it holds a snapshot"), ("-o", rows, "it holds a snapshot or MemTrace's rows")]
+    for flag, out, said in cases:
+        assert_one_line_error(capsys, run_main(["report", str(source), flag, str(out)]), f"cannot write {out}: {said}")
+    assert source.read_bytes() == other.read_bytes() == snapshot and rows.read_text() == "step\n"
+    for _ in range(2):
+        assert run_main(["report", str(source), "-o", str(tmp_path / "r.html")]) == 0

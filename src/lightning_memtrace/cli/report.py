@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import fnmatch
+import os
 import stat
 import sys
 from pathlib import Path
@@ -11,6 +13,7 @@ from typing import Any
 from lightning_memtrace.cli.args import add_max_bytes, add_rules, loader_kwargs, positive_int
 from lightning_memtrace.cli.console import progress
 from lightning_memtrace.cli.errors import CliError
+from lightning_memtrace.files import PHASES_GLOB
 from lightning_memtrace.units import format_bytes
 
 
@@ -48,11 +51,36 @@ def check_output(path: str | None) -> None:
             break
 
 
+def check_not_an_input(path: str | None, source: str) -> None:
+    """Fail with one line where writing ``path`` would destroy something to read: the input itself (``-o`` given
+    the snapshot's name), or another snapshot (a pickle or gzip) or MemTrace phases table."""
+    if path is None:
+        return
+    target = Path(path)
+    if not target.is_file():
+        return
+    try:
+        same = os.path.samefile(target, source)
+    except OSError:
+        same = False
+    if same:
+        raise CliError(f"cannot write {target}: it is the input (give the report another name)")
+    try:
+        with open(target, "rb") as handle:
+            head = handle.read(2)
+    except OSError:
+        return
+    if head[:1] == b"\x80" or head == b"\x1f\x8b" or fnmatch.fnmatch(target.name, PHASES_GLOB):
+        raise CliError(f"cannot write {target}: it holds a snapshot or MemTrace's rows (give the report another name)")
+
+
 def run(args: argparse.Namespace) -> int:
     from lightning_memtrace.report import DEFAULT_MAX_POINTS, write_report
 
     check_output(args.output)
     check_output(args.png)
+    check_not_an_input(args.output, args.path)
+    check_not_an_input(args.png, args.path)
 
     with progress() as callback:
         out = write_report(
