@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import glob
+import os
 import re
+from pathlib import Path
 
 #: The folder under a logger's ``log_dir`` that MemTrace writes into.
 MEMTRACE_DIR = "memtrace"
@@ -58,6 +61,15 @@ def oom_basename(rank: int, step: int) -> str:
 
 def is_oom_file(name: str) -> bool:
     return name.startswith(OOM_PREFIX)
+
+
+def matching_files(folder: str | os.PathLike[str], *patterns: str, recursive: bool = False) -> list[Path]:
+    """The files below ``folder`` that match any of ``patterns`` (``glob`` patterns, ``**`` with ``recursive``).
+
+    The folder's own name is a name, never a pattern: a log folder named ``run [a]`` is searched as it is.
+    """
+    here = glob.escape(os.fspath(folder))
+    return [Path(p) for pattern in patterns for p in glob.glob(os.path.join(here, pattern), recursive=recursive)]
 
 
 def rank_of(name: str) -> int | None:

@@ -391,13 +391,17 @@ def test_a_report_never_overwrites_its_input_or_another_snapshot(tmp_path: Path,
     snapshot = pickle.dumps({"segments": [], "device_traces": [[{"action": "alloc", "addr": 0, "size": 512,
                                                                  "frames": []}]]}, protocol=4)
     source, other, rows = tmp_path / "snap.pickle", tmp_path / "other.pkl", tmp_path / "phases_rank0.csv"
+    saved = tmp_path / "saved.pt"  # torch.save's zip archive
     source.write_bytes(snapshot)
     other.write_bytes(snapshot)
     rows.write_text("step\n")
+    saved.write_bytes(b"PK\x03\x04" + bytes(60))
     cases = [("-o", source, "it is the input"), ("--png", source, "it is the input"),
-             ("-o", other, "it holds a snapshot"), ("-o", rows, "it holds a snapshot or MemTrace's rows")]
+             ("-o", other, "it holds a snapshot"), ("-o", rows, "it holds a snapshot or MemTrace's rows"),
+             ("-o", saved, "it holds a snapshot")]
     for flag, out, said in cases:
         assert_one_line_error(capsys, run_main(["report", str(source), flag, str(out)]), f"cannot write {out}: {said}")
     assert source.read_bytes() == other.read_bytes() == snapshot and rows.read_text() == "step\n"
+    assert saved.read_bytes() == b"PK\x03\x04" + bytes(60)
     for _ in range(2):
         assert run_main(["report", str(source), "-o", str(tmp_path / "r.html")]) == 0

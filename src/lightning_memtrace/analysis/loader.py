@@ -201,7 +201,9 @@ def _pickle_saved_by_torch(raw: bytes, where: str, max_bytes: int) -> bytes:
 _NOT_A_SNAPSHOT_FILE = "not a pickle (nor gzip, nor memory_viz HTML)"
 #: First bytes of each container a snapshot comes in: a pickle (protocol 2 and above; 0 and 1 open a dict, a list or a
 #: mark), gzip, and HTML (after any whitespace).
-_CONTAINER_HEADS = (b"\x80", b"}", b"]", b"(", b"\x1f\x8b", b"<", _ZIP_MAGIC)
+#: First bytes of the binary containers a snapshot comes in: a pickle (protocol 2 on), gzip, ``torch.save``'s zip.
+SNAPSHOT_BINARY_HEADS = (b"\x80", b"\x1f\x8b", _ZIP_MAGIC)
+_CONTAINER_HEADS = (*SNAPSHOT_BINARY_HEADS, b"}", b"]", b"(", b"<")
 
 
 def _refuse_foreign_head(head: bytes, where: str) -> None:

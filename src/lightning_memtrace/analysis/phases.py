@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import glob
 import os
 from pathlib import Path
 
 import pandas as pd
 
-from lightning_memtrace.files import MEMTRACE_DIR, PHASES_GLOB, rank_of
+from lightning_memtrace.files import MEMTRACE_DIR, PHASES_GLOB, matching_files, rank_of
 from lightning_memtrace.types import BYTE_COLUMNS, PHASE_COLUMNS, PHASE_ORDER
 
 INT_COLUMNS = ["step", "epoch", "batch_idx", "rank", *BYTE_COLUMNS]
@@ -20,13 +19,9 @@ def _phase_files(path: str | os.PathLike) -> list[Path]:
     target = Path(path)
     if target.is_file():
         return [target]
-    candidates = []
-    here = glob.escape(str(target))  # a folder named "run [a]" is a name, not a pattern
-    for folder in (here, os.path.join(here, MEMTRACE_DIR)):
-        candidates.extend(Path(p) for p in glob.glob(os.path.join(folder, PHASES_GLOB)))
+    candidates = matching_files(target, PHASES_GLOB, os.path.join(MEMTRACE_DIR, PHASES_GLOB))
     if not candidates:
-        pattern = os.path.join(here, "**", MEMTRACE_DIR, PHASES_GLOB)
-        candidates = [Path(p) for p in glob.glob(pattern, recursive=True)]
+        candidates = matching_files(target, os.path.join("**", MEMTRACE_DIR, PHASES_GLOB), recursive=True)
     return sorted(set(candidates), key=lambda p: (rank_of(p.name) or 0, str(p)))
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import glob
 import os
 import re
 from collections.abc import Callable
@@ -24,7 +23,7 @@ from lightning_memtrace.analysis.model import Replay
 from lightning_memtrace.analysis.phases import load_phases
 from lightning_memtrace.analysis.replay import replay
 from lightning_memtrace.analysis.rules import CategoryRules, RulesLike
-from lightning_memtrace.files import MEMTRACE_DIR, PHASES_GLOB, SNAPSHOT_PATTERNS, is_oom_file, rank_of
+from lightning_memtrace.files import MEMTRACE_DIR, PHASES_GLOB, SNAPSHOT_PATTERNS, is_oom_file, matching_files, rank_of
 from lightning_memtrace.schema import header_run
 
 
@@ -86,8 +85,7 @@ def _natural_key(path: Path) -> list[Any]:
 
 
 def _holds_memtrace_files(folder: Path) -> bool:
-    here = glob.escape(str(folder))  # a folder named "run [a]" is a name, not a pattern
-    return any(glob.glob(os.path.join(here, pattern)) for pattern in (PHASES_GLOB, *SNAPSHOT_PATTERNS))
+    return bool(matching_files(folder, PHASES_GLOB, *SNAPSHOT_PATTERNS))
 
 
 #: How deep below the folder passed the search for ``memtrace`` folders goes (``lightning_logs/version_0/memtrace`` is
@@ -139,10 +137,7 @@ def run_folders(path: str | os.PathLike[str]) -> list[Path]:
 
 
 def _folder_files(folder: Path) -> list[Path]:
-    files: set[Path] = set()
-    here = glob.escape(str(folder))
-    for pattern in SNAPSHOT_PATTERNS:
-        files.update(Path(p) for p in glob.glob(os.path.join(here, pattern)))
+    files = set(matching_files(folder, *SNAPSHOT_PATTERNS))
     return sorted((f for f in files if not f.name.endswith(".tmp")), key=lambda p: ((rank_of(p.name) or 0), p.name))
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import secrets
 import sys
 import threading
@@ -81,6 +82,10 @@ class RecorderParts:
 def new_run_id() -> str:
     """A run id: when the run started (UTC) and a random suffix, e.g. ``20261203T122745-3fa1c2``."""
     return time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + "-" + secrets.token_hex(3)
+
+
+#: What :func:`new_run_id` makes (ids sort by their start time).
+RUN_ID_PATTERN = re.compile(r"\d{8}T\d{6}-[0-9a-f]{6}")
 
 
 def _device_of(model: nn.Module | None) -> torch.device:

@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     with progress() as callback:
         result, _, _ = _load(args, callback)
     out = console()
-    out.print(f"A = {result.a_name}\nB = {result.b_name}", markup=False)
+    out.print(f"A = {result.a_name}\nB = {result.b_name}")
     for title, frame, key in (
         ("at the peak", result.summary, "figure"),
         ("live bytes at the peak, by category", result.by_category, "category"),

@@ -53,7 +53,9 @@ def check_output(path: str | None) -> None:
 
 def check_not_an_input(path: str | None, source: str) -> None:
     """Fail with one line where writing ``path`` would destroy something to read: the input itself (``-o`` given
-    the snapshot's name), or another snapshot (a pickle or gzip) or MemTrace phases table."""
+    the snapshot's name), or another snapshot (a pickle, gzip or ``torch.save`` archive) or MemTrace phases table."""
+    from lightning_memtrace.analysis.loader import SNAPSHOT_BINARY_HEADS
+
     if path is None:
         return
     target = Path(path)
@@ -67,10 +69,10 @@ def check_not_an_input(path: str | None, source: str) -> None:
         raise CliError(f"cannot write {target}: it is the input (give the report another name)")
     try:
         with open(target, "rb") as handle:
-            head = handle.read(2)
+            head = handle.read(max(map(len, SNAPSHOT_BINARY_HEADS)))
     except OSError:
         return
-    if head[:1] == b"\x80" or head == b"\x1f\x8b" or fnmatch.fnmatch(target.name, PHASES_GLOB):
+    if head.startswith(SNAPSHOT_BINARY_HEADS) or fnmatch.fnmatch(target.name, PHASES_GLOB):
         raise CliError(f"cannot write {target}: it holds a snapshot or MemTrace's rows (give the report another name)")
 
 
@@ -92,8 +94,9 @@ def run(args: argparse.Namespace) -> int:
             **loader_kwargs(args),
         )
     said = f" and {args.png}" if args.png else ""
-    if stat.S_ISREG(out.stat().st_mode):
-        print(f"wrote {out} ({format_bytes(out.stat().st_size)}){said}")
+    written = out.stat()
+    if stat.S_ISREG(written.st_mode):
+        print(f"wrote {out} ({format_bytes(written.st_size)}){said}")
     else:  # the page went to a pipe or the terminal (-o /dev/stdout): stdout holds the page only
         print(f"wrote {out}{said}", file=sys.stderr)
     return 0

@@ -251,7 +251,7 @@ def print_source(out: Any, source: Any, sites: int) -> None:
         out.print(ranks_table(overview))
         if overview.imbalance is not None:
             imb = overview.imbalance
-            out.print(f"rank imbalance ({imb.basis}, max - min): {imb.sentence()}", markup=False)
+            out.print(f"rank imbalance ({imb.basis}, max - min): {imb.sentence()}")
     if source.phases is not None:
         out.print(phases_table(source.phases))
     out.print(findings_table(findings))
@@ -271,7 +271,7 @@ def run(args: argparse.Namespace) -> int:
         sources = load_sources(args.path, progress=callback, **loader_kwargs(args))
     out = console()
     if len(sources) > 1:
-        out.print(f"{args.path}: {len(sources)} runs, oldest first", markup=False)
+        out.print(f"{args.path}: {len(sources)} runs, oldest first")
     for source in sources:
         if len(sources) > 1:
             out.rule(f"run: {source.label}", characters="=")

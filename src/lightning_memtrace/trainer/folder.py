@@ -4,7 +4,6 @@ given as its own (a ``ModelCheckpoint``'s, a file-writing profiler's)."""
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -12,12 +11,11 @@ from typing import NamedTuple
 
 import lightning.pytorch as pl
 
+from lightning_memtrace.capture.recorder import RUN_ID_PATTERN
 from lightning_memtrace.files import MEMTRACE_DIR, TEMP_FOLDER
 
 #: How many runs' folders the temporary folder keeps: where a new run starts there, the oldest beyond these go.
 TEMP_RUNS_KEPT = 20
-#: A folder of the temporary folder that MemTrace made for a run (named by its run id, see ``new_run_id``).
-_RUN_FOLDER = re.compile(r"\d{8}T\d{6}-[0-9a-f]{6}")
 
 
 class MemTraceFolder(NamedTuple):
@@ -56,26 +54,24 @@ def _drop_oldest_runs(runs: Path, keep: int, current: str) -> None:
     does not grow run after run; anything else there is left alone, and a folder that cannot be removed stays."""
     try:
         with os.scandir(runs) as entries:
-            names = sorted(
-                entry.name
-                for entry in entries
-                if entry.is_dir(follow_symlinks=False) and _RUN_FOLDER.fullmatch(entry.name) and entry.name != current
-            )
+            folders = [entry.name for entry in entries if entry.is_dir(follow_symlinks=False)]
     except OSError:  # no such folder yet, or unreadable: nothing to drop
         return
+    names = sorted(name for name in folders if name != current and RUN_ID_PATTERN.fullmatch(name))
     for name in names[: max(0, len(names) - keep)]:  # run ids sort by their start time
         shutil.rmtree(runs / name, ignore_errors=True)
 
 
 def _owner_of(trainer: pl.Trainer, here: str) -> str | None:
     for callback in trainer.checkpoint_callbacks:
-        dirpath = getattr(callback, "dirpath", None)  # None until its setup where not given: never the log folder
-        if dirpath is not None and os.path.realpath(str(dirpath)) == here:
+        if _writes_into(callback, here):  # a dirpath is None until its setup where not given: never the log folder
             return "a ModelCheckpoint"
-    if not trainer.loggers:
-        # Lightning sets the profiler up before the callbacks: its folder is known here (the one given, else log_dir).
-        profiler = trainer.profiler
-        dirpath = getattr(profiler, "dirpath", None)
-        if getattr(profiler, "filename", None) and dirpath is not None and os.path.realpath(str(dirpath)) == here:
-            return "the Trainer's profiler"
+    # Lightning sets the profiler up before the callbacks: its folder is known here (the one given, else log_dir).
+    if not trainer.loggers and getattr(trainer.profiler, "filename", None) and _writes_into(trainer.profiler, here):
+        return "the Trainer's profiler"
     return None
+
+
+def _writes_into(writer: object, here: str) -> bool:
+    dirpath = getattr(writer, "dirpath", None)
+    return dirpath is not None and os.path.realpath(str(dirpath)) == here
