@@ -212,6 +212,36 @@ def test_peak_of_a_trace_that_only_frees() -> None:
     assert rep.peak.live_bytes == 3_278_300 and rep.peak.index == -1 and rep.peak.time_us == 5
 
 
+def test_torch_2_0_blocks_without_addresses() -> None:
+    """torch 2.0 wrote blocks without ``address`` (torch's viewer adds up the sizes from the segment's address) and with
+    the requested size and stack in ``history``. A block the trace allocated is counted once, a block from before the
+    recording is seeded with its requested size and its own stack."""
+    base = 139_900_000_000_000
+    in_trace = _frames(("forward", "train.py"))
+    before = _frames(("__init__", "model.py"))
+    segment = {
+        "device": 0,
+        "address": base,
+        "total_size": 4_194_304,
+        "stream": 0,
+        "blocks": [
+            {"size": 1_048_576, "state": "active_allocated", "history": [{"addr": base, "real_size": 1_000_000, "frames": in_trace}]},
+            {"size": 1_048_576, "state": "inactive", "history": [{"addr": base + 1_048_576, "real_size": 4_096, "frames": in_trace}]},
+            {"size": 2_097_152, "state": "active_allocated", "history": [{"addr": base + 2_097_152, "real_size": 2_000_000, "frames": before}]},
+        ],
+    }
+    trace = [
+        {"action": "alloc", "addr": base, "size": 1_000_000, "stream": 0, "frames": in_trace},
+        {"action": "alloc", "addr": base + 1_048_576, "size": 4_096, "stream": 0, "frames": in_trace},
+        {"action": "free_completed", "addr": base + 1_048_576, "size": 4_096, "stream": 0, "frames": in_trace},
+    ]
+    rep = replay({"segments": [segment], "device_traces": [trace]})
+    assert rep.main.seed_bytes == 2_000_000  # the block from before the recording, by its requested size
+    assert list(rep.main.timeline["live_bytes"]) == [3_000_000, 3_004_096, 3_000_000]
+    assert rep.peak.live_bytes == 3_004_096
+    assert rep.peak.sites.groupby("file")["bytes"].sum().to_dict() == {"train.py": 1_004_096, "model.py": 2_000_000}
+
+
 # ------------------------------------------------------------------------------------------------ synthetic
 def _frames(*names: tuple[str, str]) -> list[dict[str, Any]]:
     return [{"name": n, "filename": f, "line": i + 1} for i, (n, f) in enumerate(names)]

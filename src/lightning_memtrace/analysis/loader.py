@@ -388,7 +388,7 @@ def normalize(value: Any, where: str = "<snapshot>") -> tuple[dict[str, Any], st
 
 
 def _checked_segments(segments: Any, where: str) -> list[dict[str, Any]]:
-    """The segments, each with a ``blocks`` list."""
+    """The segments, each with a ``blocks`` list (blocks of torch 2.0's format brought to today's fields)."""
     if not isinstance(segments, list) or not all(isinstance(s, dict) for s in segments):
         raise SnapshotError(f"{where}: 'segments' is not a list of segment dicts")
     for segment in segments:
@@ -397,7 +397,32 @@ def _checked_segments(segments: Any, where: str) -> list[dict[str, Any]]:
             segment["blocks"] = []
         elif not isinstance(blocks, list):
             raise SnapshotError(f"{where}: a segment's 'blocks' is not a list")
+        elif blocks and isinstance(blocks[0], dict) and "address" not in blocks[0]:
+            _fill_legacy_blocks(segment)
     return segments
+
+
+def _fill_legacy_blocks(segment: dict[str, Any]) -> None:
+    """Give torch 2.0's blocks the fields later torch writes: ``address`` (the segment's address plus the sizes of the
+    blocks before it, as torch's own viewer reads them), and ``frames`` / ``requested_size`` from the newest entry of
+    their ``history``. Without an address, a block that the trace allocated would be counted twice: once by its
+    ``alloc`` event and once as alive before recording began."""
+    address = segment.get("address")
+    offset = address if isinstance(address, int) and not isinstance(address, bool) else None
+    for block in segment["blocks"]:
+        if not isinstance(block, dict):
+            continue
+        if offset is not None:
+            block.setdefault("address", offset)
+            size = block.get("size")
+            offset = offset + size if isinstance(size, int) and not isinstance(size, bool) and size >= 0 else None
+        history = block.get("history")
+        newest = history[0] if isinstance(history, list) and history and isinstance(history[0], dict) else None
+        if newest is not None:
+            block.setdefault("frames", newest.get("frames") or [])
+            real_size = newest.get("real_size")
+            if isinstance(real_size, int) and not isinstance(real_size, bool):
+                block.setdefault("requested_size", real_size)
 
 
 def _traces_by_device(traces: dict[Any, Any], where: str) -> list[Any]:
