@@ -205,3 +205,50 @@ def test_what_if_budget_zero_leaves_the_post_mortem_as_it_was(tmp_path):
         trainer(tmp_path, [callback], max_steps=3).fit(MLP(oom_at=1))
     text = (callback.output_dir / "oom_rank0_step1.txt").read_text()
     assert "what would fit" not in text and "what to change:" in text
+
+
+def test_a_second_fit_into_the_same_folder_keeps_the_first_fits_files(tmp_path):
+    """With ``logger=False`` every fit of a root folder writes into ``<root>/memtrace``: the second fit appends its rows
+    to the CSV under its own run id and writes its snapshot and post-mortem beside the first fit's, never over them."""
+    first = MemTrace()
+    trainer(tmp_path, [first], max_steps=3).fit(MLP())
+    folder = first.output_dir
+    window = folder / "snapshot_rank0_steps1-2.pickle"
+    window_bytes = window.read_bytes()
+    with pytest.raises(RuntimeError, match="can't allocate memory"):
+        trainer(tmp_path, [MemTrace()], max_steps=3).fit(MLP(oom_at=1))
+    oom_bytes = {suffix: (folder / f"oom_rank0_step1{suffix}").read_bytes() for suffix in (".pickle", ".txt")}
+    third = MemTrace()
+    trainer(tmp_path, [third], max_steps=3).fit(MLP())
+    with pytest.raises(RuntimeError, match="can't allocate memory"):
+        trainer(tmp_path, [MemTrace()], max_steps=3).fit(MLP(oom_at=1))
+    assert third.output_dir == folder
+    names = sorted(p.name for p in folder.iterdir() if p.suffix in (".pickle", ".txt"))
+    assert names == [
+        "oom_rank0_step1.1.pickle",
+        "oom_rank0_step1.1.txt",
+        "oom_rank0_step1.pickle",
+        "oom_rank0_step1.txt",
+        "snapshot_rank0_steps1-1.1.pickle",  # the window a fit that dies at step 1 ends with
+        "snapshot_rank0_steps1-1.pickle",
+        "snapshot_rank0_steps1-2.1.pickle",
+        "snapshot_rank0_steps1-2.pickle",
+    ]
+    assert window.read_bytes() == window_bytes
+    assert {s: (folder / f"oom_rank0_step1{s}").read_bytes() for s in (".pickle", ".txt")} == oom_bytes
+    runs = list(dict.fromkeys(load_phases(folder)["run"]))
+    assert len(runs) == 4 and runs[0] == first.run_id and runs[2] == third.run_id
+    headers = {}
+    for name in names:
+        if name.endswith(".pickle"):
+            with open(folder / name, "rb") as handle:
+                headers[name] = pickle.load(handle)["memtrace"]["run"]
+    assert headers == {
+        "snapshot_rank0_steps1-2.pickle": runs[0],
+        "oom_rank0_step1.pickle": runs[1],
+        "snapshot_rank0_steps1-1.pickle": runs[1],
+        "snapshot_rank0_steps1-2.1.pickle": runs[2],
+        "oom_rank0_step1.1.pickle": runs[3],
+        "snapshot_rank0_steps1-1.1.pickle": runs[3],
+    }
+    assert "step:          1 (epoch 0, batch_idx 1)" in (folder / "oom_rank0_step1.1.txt").read_text()

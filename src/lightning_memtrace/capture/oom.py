@@ -143,7 +143,7 @@ class OomCapture:
                 pm.what_if = {"made": False, "text": f"what-if: could not be made ({type(error).__name__}: {first})"}
         snapshot[HEADER_KEY] = self.window.header(pm.step, pm.step, 0)
         snapshot[HEADER_KEY]["post_mortem"] = pm.as_dict()
-        base = oom_basename(self.rank, pm.step)
+        base = self.files.unclaimed_base(oom_basename(self.rank, pm.step), (".pickle", ".txt"))
         paths = [self.files.write_snapshot(base + ".pickle", snapshot, rotate=False)]
         paths.append(self.files.write_text(base + ".txt", render_post_mortem(pm)))
         self.last = pm

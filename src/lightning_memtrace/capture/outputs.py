@@ -7,6 +7,7 @@ measuring go on.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,8 @@ class RecorderFiles:
     snapshots: list[Path] = dataclasses.field(default_factory=list, init=False)
     rows_written: int = dataclasses.field(default=0, init=False)
     _csv: PhaseCsvWriter | None = dataclasses.field(default=None, init=False)
+    #: Names this recorder wrote (it may write them again).
+    _names: set[str] = dataclasses.field(default_factory=set, init=False)
 
     def __post_init__(self) -> None:
         self.ok = self.output_dir is not None
@@ -59,9 +62,26 @@ class RecorderFiles:
         except OSError as error:
             self._failed("the phases CSV", error)
 
+    def unclaimed_base(self, base: str, suffixes: tuple[str, ...]) -> str:
+        """``base``, or ``<base>.<n>`` with the smallest free ``n``, where an earlier fit left a file ``base + suffix``
+        in the folder (a fit into a folder that holds another run's files appends its rows to the CSV; it never
+        replaces that run's snapshots or post-mortem)."""
+        if self.output_dir is None:
+            return base
+        candidate, n = base, 0
+        while any(self._left_by_another_fit(candidate + suffix) for suffix in suffixes):
+            n += 1
+            candidate = f"{base}.{n}"
+        return candidate
+
+    def _left_by_another_fit(self, name: str) -> bool:
+        return name not in self._names and self.output_dir is not None and os.path.lexists(self.output_dir / name)
+
     def write_snapshot(self, name: str, snapshot: dict[str, Any], rotate: bool = True) -> Path | None:
-        """Write a snapshot pickle atomically; a rotated one counts towards ``max_snapshots``."""
-        path = self._write(name, atomic_write_pickle, snapshot)
+        """Write a snapshot pickle atomically (under a free name, see :meth:`unclaimed_base`); a rotated one counts
+        towards ``max_snapshots``."""
+        stem, suffix = os.path.splitext(name)
+        path = self._write(self.unclaimed_base(stem, (suffix,)) + suffix, atomic_write_pickle, snapshot)
         if path is not None and rotate:
             self.snapshots.append(path)
             while len(self.snapshots) > self.max_snapshots:
@@ -69,7 +89,8 @@ class RecorderFiles:
         return path
 
     def write_text(self, name: str, text: str) -> Path | None:
-        return self._write(name, atomic_write_text, text)
+        stem, suffix = os.path.splitext(name)
+        return self._write(self.unclaimed_base(stem, (suffix,)) + suffix, atomic_write_text, text)
 
     def _write(self, name: str, write: Callable[[Path, Any], Path], content: Any) -> Path | None:
         if not self.ok or self.output_dir is None:
@@ -80,6 +101,7 @@ class RecorderFiles:
             self._failed(name, error)
             return None
         self.files.append(path)
+        self._names.add(name)
         return path
 
     def close(self) -> None:
