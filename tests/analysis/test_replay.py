@@ -225,9 +225,12 @@ def test_torch_2_0_blocks_without_addresses() -> None:
         "total_size": 4_194_304,
         "stream": 0,
         "blocks": [
-            {"size": 1_048_576, "state": "active_allocated", "history": [{"addr": base, "real_size": 1_000_000, "frames": in_trace}]},
-            {"size": 1_048_576, "state": "inactive", "history": [{"addr": base + 1_048_576, "real_size": 4_096, "frames": in_trace}]},
-            {"size": 2_097_152, "state": "active_allocated", "history": [{"addr": base + 2_097_152, "real_size": 2_000_000, "frames": before}]},
+            {"size": size, "state": state, "history": [{"addr": base + offset, "real_size": real, "frames": frames}]}
+            for size, state, offset, real, frames in [
+                (1_048_576, "active_allocated", 0, 1_000_000, in_trace),
+                (1_048_576, "inactive", 1_048_576, 4_096, in_trace),
+                (2_097_152, "active_allocated", 2_097_152, 2_000_000, before),
+            ]
         ],
     }
     trace = [
