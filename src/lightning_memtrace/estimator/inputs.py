@@ -110,6 +110,41 @@ def map_batch(obj: Any, fn: Callable[[Any], Any], depth: int = 0) -> Any:
     return obj
 
 
+#: The key under which a batch carries its padding (Hugging Face's tokenizers and collators: 1 a token, 0 padding).
+ATTENTION_MASK_KEY = "attention_mask"
+
+
+def batch_has_padding(batch: Any, depth: int = 0) -> bool:
+    """Whether the batch's ``attention_mask`` (a real 2-D tensor under that key, in a mapping or a dataclass at any
+    depth) holds a 0. Shapes, meta and fake tensors have no values: read as no padding."""
+    if depth > 32:
+        return False
+    if isinstance(batch, Mapping):
+        items = list(batch.items())
+    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        items = [(f.name, getattr(batch, f.name, None)) for f in dataclasses.fields(batch)]
+    elif isinstance(batch, (list, tuple)):
+        items = [(None, value) for value in batch]
+    else:
+        return False
+    for key, value in items:
+        if key == ATTENTION_MASK_KEY and _holds_a_zero(value):
+            return True
+        if not isinstance(value, Tensor) and batch_has_padding(value, depth + 1):
+            return True
+    return False
+
+
+def _holds_a_zero(value: Any) -> bool:
+    if not isinstance(value, Tensor) or value.ndim != 2 or value.device.type == "meta":
+        return False
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(value, FakeTensor):
+        return False
+    return bool((value == 0).any())
+
+
 def batch_dims(batch: Any) -> tuple[int | None, int | None]:
     """Batch size (first dimension of the first leaf) and sequence length (of ``input_ids``), where known."""
     leaves: list[tuple[int, ...]] = []
