@@ -136,9 +136,12 @@ def test_two_fits_into_one_folder_are_two_sources(tmp_path: Path) -> None:
     assert [s.run for s in sources] == runs
     assert [s.label.split(" · ")[1] for s in sources] == [f"run {run}" for run in runs]
     assert [len(s.phases) for s in sources] == [ROWS_PER_RUN, ROWS_PER_RUN]
-    # the second fit wrote its snapshot over the first's: it belongs to the second run only
-    assert sources[0].snapshots == []
-    assert [s.replay.memtrace["run"] for s in sources[1].snapshots] == [runs[1]]
+    # the second fit writes its snapshot beside the first's, never over it: each run keeps its own
+    assert [[s.path.name for s in source.snapshots] for source in sources] == [
+        ["snapshot_rank0_steps1-2.pickle"],
+        ["snapshot_rank0_steps1-2.1.pickle"],
+    ]
+    assert [s.replay.memtrace["run"] for source in sources for s in source.snapshots] == runs
     widths = [int(s.phases.parameters_bytes.max()) for s in sources]
     assert widths == [4 * (32 * w + w + w * w + w + w + 1) for w in (64, 128)]
 
