@@ -19,9 +19,10 @@ CPP_LINE = re.compile(
     r"USDT:|STAGE:|INFO:\d|SyncActivityProfilerHandler|ActivityProfiler|libkineto|profiler_(start|stop)"
     r"|Memory block of unknown size|collection\.cpp|^\[[WIE]\d{4} "
 )
-# Lines that differ between two runs of the same script whatever they do: times, speeds, temporary paths, version
-# folders (a second run writes version_1), progress-bar redraws.
-_VOLATILE = re.compile(r"\d+(\.\d+)?(it/s|s/it)|\d\d:\d\d|/tmp/\S+|version_\d+|\d+\.\d+e?-?\d*|\d+:\d+ ")
+# Lines that differ between two runs of the same script whatever they do: times (to the second: kineto's own lines,
+# such as a CUDA build's "gpuGetDeviceCount failed" under the user's profiler on a machine without a GPU), speeds,
+# temporary paths, version folders (a second run writes version_1), progress-bar redraws.
+_VOLATILE = re.compile(r"\d+(\.\d+)?(it/s|s/it)|\d\d:\d\d(:\d\d)?|/tmp/\S+|version_\d+|\d+\.\d+e?-?\d*|\d+:\d+ ")
 # The process id in glog-style lines (``W1203 14:09:25.537000 14303 torch/utils/_pytree.py:630] ...``).
 _GLOG_PID = re.compile(r"(?<=\d) \d+ (?=\S+\.py:\d+\])")
 # The report of a user's own profiler measures the run, MemTrace's work included: its rows are not compared.
