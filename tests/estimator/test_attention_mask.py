@@ -1,5 +1,5 @@
-"""A batch as Hugging Face's tokenizers and collators make it, ``input_ids`` with an ``attention_mask``: the estimate
-takes the attention path the real run takes, with and without padding.
+"""A batch as Hugging Face's tokenizers and collators make it, ``input_ids`` with an ``attention_mask`` (or, packed
+without padding, with ``position_ids``): the estimate takes the attention path the real run takes.
 
 Transformers asks whether the mask holds padding before it lets SDPA skip the causal mask. A fake mask has no values:
 transformers 5 then built a ``B×1×L×L`` mask the real run never builds (the estimate was 4-5% high), and transformers
@@ -18,7 +18,7 @@ from tiny_architectures import ARCHITECTURES, ConfigLM
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_memtrace.estimator import compare_phase_peaks, estimate
-from lightning_memtrace.estimator.inputs import InputSpec, batch_has_padding
+from lightning_memtrace.estimator.inputs import InputSpec, batch_has_padding, batch_is_packed
 
 BATCH, SEQ = 4, 128
 
@@ -51,6 +51,34 @@ class _MaskedLM(ConfigLM):
         return DataLoader(_TokensWithMask(4 * BATCH, self.model.config.vocab_size, self.padding), BATCH)
 
 
+class _TokensWithPositions(Dataset):
+    """Rows as a padding-free collator packs them: ``sequences`` sequences per row, positions restarting at each."""
+
+    def __init__(self, n: int, vocab: int, sequences: int) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, vocab, (n, SEQ), generator=generator)
+        self.positions = torch.arange(SEQ // sequences).repeat(sequences)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[index], "position_ids": self.positions}
+
+
+class _PackedLM(ConfigLM):
+    def __init__(self, config: dict, sequences: int) -> None:
+        super().__init__(config, BATCH, SEQ)
+        self.sequences = sequences
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        ids = batch["input_ids"]
+        return self.model(input_ids=ids, position_ids=batch["position_ids"], labels=ids).loss
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(_TokensWithPositions(4 * BATCH, self.model.config.vocab_size, self.sequences), BATCH)
+
+
 @pytest.mark.parametrize("name", ["llama", "opt"])
 @pytest.mark.parametrize("padding", [0, 16])
 def test_a_batch_with_an_attention_mask_is_estimated_as_it_runs(tmp_path, name, padding):
@@ -60,6 +88,18 @@ def test_a_batch_with_an_attention_mask_is_estimated_as_it_runs(tmp_path, name, 
     phases = real_run(tmp_path, module, allocation_backend="auto")
     check_against_real(est, phases)
     # exact but for the optimizer's few scalar temporaries (under 0.01%), where a mask built in vain was 4-5%
+    assert compare_phase_peaks(est, phases).error_percent.abs().max() < 0.1
+
+
+@pytest.mark.parametrize("sequences", [1, 2])
+def test_a_batch_with_position_ids_is_estimated_as_it_runs(tmp_path, sequences):
+    """Two sequences per row (positions 0..63 twice): the real run builds the packed causal mask, as the estimate
+    does; one (positions 0..127): neither builds one."""
+    module = _PackedLM(ARCHITECTURES["llama"], sequences)
+    batch = next(iter(module.train_dataloader()))
+    est = estimate(module, batch, device="cpu", steps=3)
+    phases = real_run(tmp_path, module, allocation_backend="auto")
+    check_against_real(est, phases)
     assert compare_phase_peaks(est, phases).error_percent.abs().max() < 0.1
 
 
@@ -79,6 +119,10 @@ def test_padding_is_read_from_the_batchs_attention_mask():
     assert batch_has_padding(_Batch(ids, padded)) and not batch_has_padding(_Batch(ids, ones))
     assert batch_has_padding([{"attention_mask": padded}]) and not batch_has_padding((ids, padded))
     assert not batch_has_padding({"input_ids": ids})
+    positions = torch.arange(8).repeat(2, 1)
+    assert not batch_is_packed({"input_ids": ids, "position_ids": positions})
+    assert batch_is_packed({"input_ids": ids, "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]] * 2)})
+    assert not batch_is_packed({"input_ids": ids, "position_ids": InputSpec((2, 8), torch.int64)})
     # shapes and meta tensors have no values: read as no padding
     assert not batch_has_padding({"attention_mask": InputSpec((2, 8), torch.int64)})
     assert not batch_has_padding({"attention_mask": torch.zeros(2, 8, device="meta")})

@@ -11,9 +11,10 @@ flash kernel without dropout: its saved tensors (output and an fp32 logsumexp of
 CUDA's flash kernel's, and CUDA draws dropout inside the kernel from a seed (no mask kept). Left out: the philox seed
 and offset (a few bytes) and the memory-efficient kernel's logsumexp rounded up to 32 positions.
 
-Transformers cannot read fake position ids, so it would treat every fake batch as possibly packed (several sequences
-per row) and build a ``B×L×L`` mask that the real run never builds; :func:`sdpa_watched` lets it see one sequence per
-row, as the position ids it makes itself are (pass real packed batches to a real run to measure those).
+Transformers reads values to choose its path (is the padding mask all ones, do the positions restart within a row),
+and fake tensors have none: it would build a ``B×L×L`` mask that the real run never builds. :func:`sdpa_watched`
+answers as the real batch would: padding and packing are read from the batch's real ``attention_mask`` and
+``position_ids`` (a batch given as shapes: neither).
 """
 
 from __future__ import annotations
@@ -118,12 +119,14 @@ def _fake(tensor: Any) -> bool:
 
 
 @contextlib.contextmanager
-def _one_sequence_per_row() -> Iterator[None]:
-    """Transformers' packed-sequence check, answered "one sequence per row" for fake position ids it cannot read.
+def _packing_as_in_the_batch(packed: bool) -> Iterator[None]:
+    """Transformers' packed-sequence check, answered for fake position ids (which it cannot read) as the real batch
+    answers it.
 
-    What the check gives for one sequence per row is asked of the check itself, on real positions ``[[0, 1]]``:
-    transformers 5 gives None (no packing: SDPA may skip the causal mask), 4.57 a mask of zeros in any case (the
-    causal mask is built), which is then made from the fake ids as the real run makes it from the real ones.
+    Packed (the batch's ``position_ids`` restart within a row), the check makes its mask from the fake ids as the real
+    run makes it from the real ones. One sequence per row (or positions the model makes itself), what the check gives
+    is asked of the check itself, on real positions ``[[0, 1]]``: transformers 5 gives None (no packing: SDPA may skip
+    the causal mask), 4.57 a mask of zeros in any case (the causal mask is built), made from the fake ids.
     """
     masking = sys.modules.get("transformers.masking_utils")
     original = getattr(masking, "find_packed_sequence_indices", None)
@@ -132,7 +135,7 @@ def _one_sequence_per_row() -> Iterator[None]:
         return
 
     def find_packed_sequence_indices(position_ids: torch.Tensor) -> Any:
-        if not _fake(position_ids):
+        if not _fake(position_ids) or packed:
             return original(position_ids)
         with outer_modes_paused():
             unpacked = original(torch.arange(2).unsqueeze(0))
@@ -219,16 +222,17 @@ def _answered_for_fake_masks(check: Any, padded: bool) -> Any:
 
 
 @contextlib.contextmanager
-def sdpa_watched(cuda_stand_in: bool, padded: bool = False) -> Iterator[list[SdpaKernel]]:
+def sdpa_watched(cuda_stand_in: bool, padded: bool = False, packed: bool = False) -> Iterator[list[SdpaKernel]]:
     """Within: the kernel of each SDPA call is appended to the yielded list.
 
     Args:
         cuda_stand_in: The target is CUDA and the tensors are fake CPU ones: run SDPA on CPU's flash kernel without
             dropout, whose saved tensors have the sizes CUDA's flash or memory-efficient kernel saves.
         padded: The batch's ``attention_mask`` marks padding (see :func:`_padding_as_in_the_batch`).
+        packed: The batch's ``position_ids`` hold several sequences in a row (see :func:`_packing_as_in_the_batch`).
     """
     mode = _SdpaMode(cuda_stand_in)
-    with _one_sequence_per_row(), _padding_as_in_the_batch(padded), mode:
+    with _packing_as_in_the_batch(packed), _padding_as_in_the_batch(padded), mode:
         yield mode.kernels
 
 

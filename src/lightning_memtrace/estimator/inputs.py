@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -112,13 +112,28 @@ def map_batch(obj: Any, fn: Callable[[Any], Any], depth: int = 0) -> Any:
 
 #: The key under which a batch carries its padding (Hugging Face's tokenizers and collators: 1 a token, 0 padding).
 ATTENTION_MASK_KEY = "attention_mask"
+#: The key under which a batch carries its positions (a packing collator restarts them at each sequence of a row).
+POSITION_IDS_KEY = "position_ids"
 
 
-def batch_has_padding(batch: Any, depth: int = 0) -> bool:
+def batch_has_padding(batch: Any) -> bool:
     """Whether the batch's ``attention_mask`` (a real 2-D tensor under that key, in a mapping or a dataclass at any
     depth) holds a 0. Shapes, meta and fake tensors have no values: read as no padding."""
+    return any(bool((mask == 0).any()) for mask in _real_2d(batch, ATTENTION_MASK_KEY))
+
+
+def batch_is_packed(batch: Any) -> bool:
+    """Whether the batch's ``position_ids`` (as :func:`batch_has_padding` finds a mask) hold several sequences in a row:
+    a position that is not the one before it plus 1. Without values: read as one sequence per row."""
+    return any(
+        bool((positions[:, 1:] - positions[:, :-1] != 1).any()) for positions in _real_2d(batch, POSITION_IDS_KEY)
+    )
+
+
+def _real_2d(batch: Any, wanted: str, depth: int = 0) -> Iterator[Tensor]:
+    """The real (not meta, not fake) 2-D tensors under the key ``wanted`` at any depth of the batch."""
     if depth > 32:
-        return False
+        return
     if isinstance(batch, Mapping):
         items = list(batch.items())
     elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
@@ -126,23 +141,19 @@ def batch_has_padding(batch: Any, depth: int = 0) -> bool:
     elif isinstance(batch, (list, tuple)):
         items = [(None, value) for value in batch]
     else:
-        return False
+        return
     for key, value in items:
-        if key == ATTENTION_MASK_KEY and _holds_a_zero(value):
-            return True
-        if not isinstance(value, Tensor) and batch_has_padding(value, depth + 1):
-            return True
-    return False
+        if isinstance(value, Tensor):
+            if key == wanted and value.ndim == 2 and _has_values(value):
+                yield value
+        else:
+            yield from _real_2d(value, wanted, depth + 1)
 
 
-def _holds_a_zero(value: Any) -> bool:
-    if not isinstance(value, Tensor) or value.ndim != 2 or value.device.type == "meta":
-        return False
+def _has_values(tensor: Tensor) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
-    if isinstance(value, FakeTensor):
-        return False
-    return bool((value == 0).any())
+    return tensor.device.type != "meta" and not isinstance(tensor, FakeTensor)
 
 
 def batch_dims(batch: Any) -> tuple[int | None, int | None]:
