@@ -49,7 +49,9 @@ TRANSFORMERS_5 = "5.24.0"  # the 5.x of the torch rows (5.x needs torch >= 2.6)
 #: Newest 5.x, in a combination of its own (it needs kernels>=0.19.1, which PyPI lacked until December 2026).
 TRANSFORMERS_5_NEWEST = "5.25.0"
 #: Newest patch of every torch minor from 2.4; 2.13.0 as the CPU build.
-TORCHES = ["2.14.1", "2.13.0+cpu", "2.12.1", "2.11.0", "2.10.0", "2.9.1", "2.8.0", "2.7.1", "2.6.0", "2.5.1", "2.4.1"]
+TORCHES = [
+    "2.15.0", "2.14.1", "2.13.0+cpu", "2.12.1", "2.11.0", "2.10.0", "2.9.1", "2.8.0", "2.7.1", "2.6.0", "2.5.1", "2.4.1"
+]
 #: Oldest torch that passes (the lower bound in pyproject.toml).
 OLDEST_TORCH = "2.5.1"
 #: Torch versions left below the supported range, and why.
@@ -174,7 +176,10 @@ def install(combo: Combination, venv: Path, logs: Path, python: str, pip_args: l
     code, output = _run([python, "-m", "venv", str(venv)], logs / f"{combo.folder}.venv.log", 600)
     if code == 0:
         cmd = [str(venv / "bin" / "python"), "-m", "pip", "install", "--no-cache-dir", "--disable-pip-version-check"]
-        code, output = _run(cmd + pip_args + combo.requirements(), logs / f"{combo.folder}.install.log", 3600)
+        # Every requirement here is pinned exactly, so a machine-wide cap from pip's config (a `constraint` file,
+        # `torch<=...`) would only keep the newest torch out of the table.
+        env = {**os.environ, "PIP_CONSTRAINT": os.devnull}
+        code, output = _run(cmd + pip_args + combo.requirements(), logs / f"{combo.folder}.install.log", 3600, env=env)
     seconds = time.monotonic() - start
     if code != 0:
         shutil.rmtree(venv, ignore_errors=True)
