@@ -59,6 +59,12 @@ def oom_basename(rank: int, step: int) -> str:
     return f"{OOM_PREFIX}rank{rank}_step{step}"
 
 
+def numbered_name(base: str, n: int) -> str:
+    """``<base>.<n>``: what a fit names its file (``base`` + the extension) where an earlier fit's file of that name
+    is in the folder, with the smallest free ``n`` from 1 (``snapshot_rank0_steps1-2.1.pickle``)."""
+    return f"{base}.{n}"
+
+
 def is_oom_file(name: str) -> bool:
     return name.startswith(OOM_PREFIX)
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from lightning_memtrace.atomic import atomic_write_pickle, atomic_write_text
 from lightning_memtrace.capture.phases_writer import PhaseCsvWriter
-from lightning_memtrace.files import phases_filename
+from lightning_memtrace.files import numbered_name, phases_filename
 from lightning_memtrace.types import PhaseRecord
 
 
@@ -71,7 +71,7 @@ class RecorderFiles:
         candidate, n = base, 0
         while any(self._left_by_another_fit(candidate + suffix) for suffix in suffixes):
             n += 1
-            candidate = f"{base}.{n}"
+            candidate = numbered_name(base, n)
         return candidate
 
     def _left_by_another_fit(self, name: str) -> bool:
