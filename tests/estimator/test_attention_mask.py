@@ -18,7 +18,8 @@ from tiny_architectures import ARCHITECTURES, ConfigLM
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_memtrace.estimator import compare_phase_peaks, estimate
-from lightning_memtrace.estimator.inputs import InputSpec, batch_has_padding, batch_is_packed
+from lightning_memtrace.estimator.batch_values import batch_has_padding, batch_is_packed
+from lightning_memtrace.estimator.inputs import InputSpec
 
 BATCH, SEQ = 4, 128
 

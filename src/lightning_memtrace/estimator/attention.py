@@ -11,18 +11,13 @@ flash kernel without dropout: its saved tensors (output and an fp32 logsumexp of
 CUDA's flash kernel's, and CUDA draws dropout inside the kernel from a seed (no mask kept). Left out: the philox seed
 and offset (a few bytes) and the memory-efficient kernel's logsumexp rounded up to 32 positions.
 
-Transformers reads values to choose its path (is the padding mask all ones, do the positions restart within a row),
-and fake tensors have none: it would build a ``B×L×L`` mask that the real run never builds. :func:`sdpa_watched`
-answers as the real batch would: padding and packing are read from the batch's real ``attention_mask`` and
-``position_ids`` (a batch given as shapes: neither).
+Which causal mask transformers builds for SDPA, if any, depends on values (padding, packing): see
+:mod:`~lightning_memtrace.estimator.batch_values`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
-import sys
 from collections.abc import Iterator
 from enum import Enum
 from typing import Any
@@ -31,8 +26,6 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-
-from lightning_memtrace.estimator.fake import outer_modes_paused
 
 #: SDPA's arguments in order (``F.scaled_dot_product_attention``'s signature).
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -112,127 +105,16 @@ class _SdpaMode(TorchFunctionMode):
         return out
 
 
-def _fake(tensor: Any) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(tensor, FakeTensor)
-
-
 @contextlib.contextmanager
-def _packing_as_in_the_batch(packed: bool) -> Iterator[None]:
-    """Transformers' packed-sequence check, answered for fake position ids (which it cannot read) as the real batch
-    answers it.
-
-    Packed (the batch's ``position_ids`` restart within a row), the check makes its mask from the fake ids as the real
-    run makes it from the real ones. One sequence per row (or positions the model makes itself), what the check gives
-    is asked of the check itself, on real positions ``[[0, 1]]``: transformers 5 gives None (no packing: SDPA may skip
-    the causal mask), 4.57 a mask of zeros in any case (the causal mask is built), made from the fake ids.
-    """
-    masking = sys.modules.get("transformers.masking_utils")
-    original = getattr(masking, "find_packed_sequence_indices", None)
-    if original is None:
-        yield
-        return
-
-    def find_packed_sequence_indices(position_ids: torch.Tensor) -> Any:
-        if not _fake(position_ids) or packed:
-            return original(position_ids)
-        with outer_modes_paused():
-            unpacked = original(torch.arange(2).unsqueeze(0))
-        return None if unpacked is None else original(position_ids)
-
-    masking.find_packed_sequence_indices = find_packed_sequence_indices
-    try:
-        yield
-    finally:
-        masking.find_packed_sequence_indices = original
-
-
-#: Transformers' "may SDPA's causal mask be skipped?" checks, whose first argument is the 2-D padding mask:
-#: ``(module, owner, name)``, the owner a class where the function is a static method of one.
-_CAUSAL_SKIP_CHECKS = (
-    ("transformers.masking_utils", None, "_ignore_causal_mask_sdpa"),
-    ("transformers.modeling_attn_mask_utils", "AttentionMaskConverter", "_ignore_causal_mask_sdpa"),
-)
-
-
-@contextlib.contextmanager
-def _padding_as_in_the_batch(padded: bool) -> Iterator[None]:
-    """Transformers' check whether SDPA may skip the causal mask (and take ``is_causal``, the flash kernel's way),
-    answered for a fake 2-D padding mask as the real batch answers it.
-
-    The check reads the mask's values: a fake one has none, and transformers then builds a ``B×1×L×L`` mask (5.x)
-    or cannot go on (4.x). With no padding (a batch whose ``attention_mask`` is all ones, or has none) the mask is
-    read as absent, which the check treats as all ones; with padding the check's answer is no, as on the real batch.
-    Transformers' warning about padding without a mask is skipped for fake ids (see ``_PADDING_WARNING``).
-    """
-    patched: list[tuple[Any, str, Any]] = []
-    for module_name, owner_name, name in _CAUSAL_SKIP_CHECKS:
-        module = sys.modules.get(module_name)
-        owner = getattr(module, owner_name, None) if owner_name else module
-        original = owner.__dict__.get(name) if owner is not None else None
-        function = original.__func__ if isinstance(original, staticmethod) else original
-        if not callable(function):
-            continue
-        checked = _answered_for_fake_masks(function, padded)
-        setattr(owner, name, staticmethod(checked) if isinstance(original, staticmethod) else checked)
-        patched.append((owner, name, original))
-    modeling = sys.modules.get("transformers.modeling_utils")
-    model_class = getattr(modeling, "PreTrainedModel", None)
-    warn = model_class.__dict__.get(_PADDING_WARNING) if model_class is not None else None
-    if callable(warn):
-        setattr(model_class, _PADDING_WARNING, _skipped_for_fake_ids(warn))
-        patched.append((model_class, _PADDING_WARNING, warn))
-    try:
-        yield
-    finally:
-        for owner, name, original in reversed(patched):
-            setattr(owner, name, original)
-
-
-#: Transformers' one-time warning that ``input_ids`` may hold padding and no ``attention_mask`` was given: it reads
-#: the ids, so transformers 5 skips it for fake ones, and 4.57 could not go on.
-_PADDING_WARNING = "warn_if_padding_and_no_attention_mask"
-
-
-def _skipped_for_fake_ids(warn: Any) -> Any:
-    @functools.wraps(warn)
-    def skipped(self: Any, input_ids: Any, *args: Any, **kwargs: Any) -> Any:
-        return None if _fake(input_ids) else warn(self, input_ids, *args, **kwargs)
-
-    return skipped
-
-
-def _answered_for_fake_masks(check: Any, padded: bool) -> Any:
-    name = next(iter(inspect.signature(check).parameters))  # the mask (``padding_mask``, ``attention_mask``)
-
-    @functools.wraps(check)
-    def answered(*args: Any, **kwargs: Any) -> Any:
-        mask = args[0] if args else kwargs.get(name)
-        if _fake(mask) and mask.dim() == 2:
-            if padded:
-                return False
-            if args:
-                args = (None, *args[1:])
-            else:
-                kwargs[name] = None
-        return check(*args, **kwargs)
-
-    return answered
-
-
-@contextlib.contextmanager
-def sdpa_watched(cuda_stand_in: bool, padded: bool = False, packed: bool = False) -> Iterator[list[SdpaKernel]]:
+def sdpa_watched(cuda_stand_in: bool) -> Iterator[list[SdpaKernel]]:
     """Within: the kernel of each SDPA call is appended to the yielded list.
 
     Args:
         cuda_stand_in: The target is CUDA and the tensors are fake CPU ones: run SDPA on CPU's flash kernel without
             dropout, whose saved tensors have the sizes CUDA's flash or memory-efficient kernel saves.
-        padded: The batch's ``attention_mask`` marks padding (see :func:`_padding_as_in_the_batch`).
-        packed: The batch's ``position_ids`` hold several sequences in a row (see :func:`_packing_as_in_the_batch`).
     """
     mode = _SdpaMode(cuda_stand_in)
-    with _packing_as_in_the_batch(packed), _padding_as_in_the_batch(padded), mode:
+    with mode:
         yield mode.kernels
 
 

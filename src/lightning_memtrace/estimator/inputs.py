@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -108,52 +108,6 @@ def map_batch(obj: Any, fn: Callable[[Any], Any], depth: int = 0) -> Any:
             obj, **{f.name: map_batch(getattr(obj, f.name), fn, depth + 1) for f in dataclasses.fields(obj) if f.init}
         )
     return obj
-
-
-#: The key under which a batch carries its padding (Hugging Face's tokenizers and collators: 1 a token, 0 padding).
-ATTENTION_MASK_KEY = "attention_mask"
-#: The key under which a batch carries its positions (a packing collator restarts them at each sequence of a row).
-POSITION_IDS_KEY = "position_ids"
-
-
-def batch_has_padding(batch: Any) -> bool:
-    """Whether the batch's ``attention_mask`` (a real 2-D tensor under that key, in a mapping or a dataclass at any
-    depth) holds a 0. Shapes, meta and fake tensors have no values: read as no padding."""
-    return any(bool((mask == 0).any()) for mask in _real_2d(batch, ATTENTION_MASK_KEY))
-
-
-def batch_is_packed(batch: Any) -> bool:
-    """Whether the batch's ``position_ids`` (as :func:`batch_has_padding` finds a mask) hold several sequences in a row:
-    a position that is not the one before it plus 1. Without values: read as one sequence per row."""
-    return any(
-        bool((positions[:, 1:] - positions[:, :-1] != 1).any()) for positions in _real_2d(batch, POSITION_IDS_KEY)
-    )
-
-
-def _real_2d(batch: Any, wanted: str, depth: int = 0) -> Iterator[Tensor]:
-    """The real (not meta, not fake) 2-D tensors under the key ``wanted`` at any depth of the batch."""
-    if depth > 32:
-        return
-    if isinstance(batch, Mapping):
-        items = list(batch.items())
-    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        items = [(f.name, getattr(batch, f.name, None)) for f in dataclasses.fields(batch)]
-    elif isinstance(batch, (list, tuple)):
-        items = [(None, value) for value in batch]
-    else:
-        return
-    for key, value in items:
-        if isinstance(value, Tensor):
-            if key == wanted and value.ndim == 2 and _has_values(value):
-                yield value
-        else:
-            yield from _real_2d(value, wanted, depth + 1)
-
-
-def _has_values(tensor: Tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return tensor.device.type != "meta" and not isinstance(tensor, FakeTensor)
 
 
 def batch_dims(batch: Any) -> tuple[int | None, int | None]:

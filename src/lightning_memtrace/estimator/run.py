@@ -19,10 +19,11 @@ import torch
 from torch import Tensor, nn
 
 from lightning_memtrace.estimator.attention import attention_label, attn_implementation, sdpa_watched
+from lightning_memtrace.estimator.batch_values import answered_as_the_batch
 from lightning_memtrace.capture.storages import unique_storages
 from lightning_memtrace.estimator.closed_form import closed_form
 from lightning_memtrace.estimator.fake import fake_copy, fake_mode, outer_modes_paused
-from lightning_memtrace.estimator.inputs import Precision, batch_dims, batch_has_padding, batch_is_packed
+from lightning_memtrace.estimator.inputs import Precision, batch_dims
 from lightning_memtrace.estimator.layer_drop import no_layer_dropped
 from lightning_memtrace.estimator.loop import run_steps
 from lightning_memtrace.estimator.result import Estimate
@@ -115,8 +116,7 @@ def estimate(
         blocks = shard_like_the_run(model, mesh) if mesh is not None else 0
         optimizer = _build_optimizer(model, mode, target, optimizer_factory, lightning)
         prefetch = prefetch and not emulate_cuda and fake_device.type == "cpu"
-        padded, packed = batch_has_padding(batch), batch_is_packed(batch)
-        with sdpa_watched(emulate_cuda, padded, packed) as kernels, no_layer_dropped():
+        with sdpa_watched(cuda_stand_in=emulate_cuda) as kernels, answered_as_the_batch(batch), no_layer_dropped():
             records = run_steps(
                 model,
                 optimizer,
