@@ -98,10 +98,13 @@ class MemoryView:
 
     @property
     def moment(self) -> str | None:
-        """``"forward, step 3"`` (``"before the first event"``); None at dump time."""
+        """``"forward, step 3"`` (``"forward"`` where no step is known, ``"before the first event"``); None at dump
+        time."""
         if self.at_dump_time:
             return None
-        return "before the first event" if self.before_trace else f"{self.stage}, step {self.step}"
+        if self.before_trace:
+            return "before the first event"
+        return f"{self.stage}, step {self.step}" if self.step >= 0 else str(self.stage)
 
     @property
     def inferred_percent(self) -> float:

@@ -95,7 +95,8 @@ def _bytes(value: int) -> str:
 def _when(peak: Any) -> str:
     if peak.index < 0:
         return "before the first event"
-    return f"event {peak.index} (t = {peak.time_us:,} us), {peak.stage}, step {peak.step}"
+    step = f", step {peak.step}" if peak.step >= 0 else ""  # no step known (a snapshot without MemTrace's marks)
+    return f"event {peak.index} (t = {peak.time_us:,} us), {peak.stage}{step}"
 
 
 def moment_table(answer: Any, name: str) -> Any:
