@@ -24,66 +24,53 @@ from lightning_memtrace.estimator.inputs import InputSpec
 BATCH, SEQ = 4, 128
 
 
-class _TokensWithMask(Dataset):
-    def __init__(self, n: int, vocab: int, padding: int) -> None:
+class _Tokens(Dataset):
+    """Random token rows, each with ``row`` under the key ``key`` beside its ``input_ids``."""
+
+    def __init__(self, n: int, vocab: int, key: str, row: torch.Tensor) -> None:
         generator = torch.Generator().manual_seed(0)
         self.ids = torch.randint(0, vocab, (n, SEQ), generator=generator)
-        self.mask = torch.ones(n, SEQ, dtype=torch.long)
-        if padding:
-            self.mask[:, SEQ - padding :] = 0
+        self.key, self.row = key, row
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[index], "attention_mask": self.mask[index]}
+        return {"input_ids": self.ids[index], self.key: self.row}
 
 
-class _MaskedLM(ConfigLM):
-    def __init__(self, config: dict, padding: int) -> None:
+class _LMWith(ConfigLM):
+    """A causal LM trained on :class:`_Tokens`, the batch's ``key`` passed to the model as the argument of that name."""
+
+    def __init__(self, config: dict, key: str, row: torch.Tensor) -> None:
         super().__init__(config, BATCH, SEQ)
-        self.padding = padding
+        self.key, self.row = key, row
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         ids = batch["input_ids"]
-        return self.model(input_ids=ids, attention_mask=batch["attention_mask"], labels=ids).loss
+        return self.model(input_ids=ids, labels=ids, **{self.key: batch[self.key]}).loss
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(_TokensWithMask(4 * BATCH, self.model.config.vocab_size, self.padding), BATCH)
+        return DataLoader(_Tokens(4 * BATCH, self.model.config.vocab_size, self.key, self.row), BATCH)
 
 
-class _TokensWithPositions(Dataset):
+def _masked(config: dict, padding: int) -> _LMWith:
+    """Rows with an ``attention_mask`` of ones, its last ``padding`` positions 0."""
+    mask = torch.ones(SEQ, dtype=torch.long)
+    if padding:
+        mask[SEQ - padding :] = 0
+    return _LMWith(config, "attention_mask", mask)
+
+
+def _packed(config: dict, sequences: int) -> _LMWith:
     """Rows as a padding-free collator packs them: ``sequences`` sequences per row, positions restarting at each."""
-
-    def __init__(self, n: int, vocab: int, sequences: int) -> None:
-        generator = torch.Generator().manual_seed(0)
-        self.ids = torch.randint(0, vocab, (n, SEQ), generator=generator)
-        self.positions = torch.arange(SEQ // sequences).repeat(sequences)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[index], "position_ids": self.positions}
-
-
-class _PackedLM(ConfigLM):
-    def __init__(self, config: dict, sequences: int) -> None:
-        super().__init__(config, BATCH, SEQ)
-        self.sequences = sequences
-
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        ids = batch["input_ids"]
-        return self.model(input_ids=ids, position_ids=batch["position_ids"], labels=ids).loss
-
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(_TokensWithPositions(4 * BATCH, self.model.config.vocab_size, self.sequences), BATCH)
+    return _LMWith(config, "position_ids", torch.arange(SEQ // sequences).repeat(sequences))
 
 
 @pytest.mark.parametrize("name", ["llama", "opt"])
 @pytest.mark.parametrize("padding", [0, 16])
 def test_a_batch_with_an_attention_mask_is_estimated_as_it_runs(tmp_path, name, padding):
-    module = _MaskedLM(ARCHITECTURES[name], padding)
+    module = _masked(ARCHITECTURES[name], padding)
     batch = next(iter(module.train_dataloader()))
     est = estimate(module, batch, device="cpu", steps=3)
     phases = real_run(tmp_path, module, allocation_backend="auto")
@@ -96,7 +83,7 @@ def test_a_batch_with_an_attention_mask_is_estimated_as_it_runs(tmp_path, name, 
 def test_a_batch_with_position_ids_is_estimated_as_it_runs(tmp_path, sequences):
     """Two sequences per row (positions 0..63 twice): the real run builds the packed causal mask, as the estimate
     does; one (positions 0..127): neither builds one."""
-    module = _PackedLM(ARCHITECTURES["llama"], sequences)
+    module = _packed(ARCHITECTURES["llama"], sequences)
     batch = next(iter(module.train_dataloader()))
     est = estimate(module, batch, device="cpu", steps=3)
     phases = real_run(tmp_path, module, allocation_backend="auto")

@@ -407,22 +407,26 @@ def _fill_legacy_blocks(segment: dict[str, Any]) -> None:
     blocks before it, as torch's own viewer reads them), and ``frames`` / ``requested_size`` from the newest entry of
     their ``history``. Without an address, a block that the trace allocated would be counted twice: once by its
     ``alloc`` event and once as alive before recording began."""
-    address = segment.get("address")
-    offset = address if isinstance(address, int) and not isinstance(address, bool) else None
+    offset = _whole(segment.get("address"))
     for block in segment["blocks"]:
         if not isinstance(block, dict):
             continue
         if offset is not None:
             block.setdefault("address", offset)
-            size = block.get("size")
-            offset = offset + size if isinstance(size, int) and not isinstance(size, bool) and size >= 0 else None
+            size = _whole(block.get("size"))
+            offset = offset + size if size is not None and size >= 0 else None
         history = block.get("history")
         newest = history[0] if isinstance(history, list) and history and isinstance(history[0], dict) else None
         if newest is not None:
             block.setdefault("frames", newest.get("frames") or [])
-            real_size = newest.get("real_size")
-            if isinstance(real_size, int) and not isinstance(real_size, bool):
+            real_size = _whole(newest.get("real_size"))
+            if real_size is not None:
                 block.setdefault("requested_size", real_size)
+
+
+def _whole(value: Any) -> int | None:
+    """``value`` where it is a plain int (not a bool, a float or text from a hostile file), else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _traces_by_device(traces: dict[Any, Any], where: str) -> list[Any]:

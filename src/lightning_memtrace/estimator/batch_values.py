@@ -21,13 +21,13 @@ import dataclasses
 import functools
 import inspect
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lightning_memtrace.estimator.fake import outer_modes_paused
+from lightning_memtrace.estimator.fake import is_fake, outer_modes_paused
 
 #: The key under which a batch carries its padding (Hugging Face's tokenizers and collators: 1 a token, 0 padding).
 ATTENTION_MASK_KEY = "attention_mask"
@@ -70,110 +70,76 @@ def _real_2d(batch: Any, wanted: str, depth: int = 0) -> Iterator[Tensor]:
 
 
 def _has_values(tensor: Tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return tensor.device.type != "meta" and not isinstance(tensor, FakeTensor)
-
-
-
-def _fake(tensor: Any) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(tensor, FakeTensor)
+    return tensor.device.type != "meta" and not is_fake(tensor)
 
 
 @contextlib.contextmanager
-def _packing_as_in_the_batch(packed: bool) -> Iterator[None]:
-    """Transformers' packed-sequence check, answered for fake position ids (which it cannot read) as the real batch
-    answers it.
+def answered_as_the_batch(batch: Any) -> Iterator[None]:
+    """Within: transformers' questions about values (see the module's docstring) answered as ``batch`` answers them."""
+    packed, padded = batch_is_packed(batch), batch_has_padding(batch)
+    masking = sys.modules.get("transformers.masking_utils")
+    converter = getattr(sys.modules.get("transformers.modeling_attn_mask_utils"), "AttentionMaskConverter", None)
+    model = getattr(sys.modules.get("transformers.modeling_utils"), "PreTrainedModel", None)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(
+            _replaced(masking, "find_packed_sequence_indices", lambda check: _packing_answered(check, packed))
+        )
+        for owner in (masking, converter):  # the mask check of transformers 5, and 4.57's for older models
+            stack.enter_context(
+                _replaced(owner, "_ignore_causal_mask_sdpa", lambda check: _padding_answered(check, padded))
+            )
+        stack.enter_context(_replaced(model, _PADDING_WARNING, _skipped_for_fake_ids))
+        yield
+
+
+@contextlib.contextmanager
+def _replaced(owner: Any, name: str, wrap: Callable[[Any], Any]) -> Iterator[None]:
+    """Within: ``owner.name`` (a module's function, a class's method or static method) is ``wrap(it)``; nothing
+    changes where this transformers has no such function."""
+    original = owner.__dict__.get(name) if owner is not None else None
+    function = original.__func__ if isinstance(original, staticmethod) else original
+    if not callable(function):
+        yield
+        return
+    replacement = wrap(function)
+    setattr(owner, name, staticmethod(replacement) if isinstance(original, staticmethod) else replacement)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+def _packing_answered(check: Any, packed: bool) -> Any:
+    """Transformers' packed-sequence check (``find_packed_sequence_indices``), answered for fake position ids as the
+    real batch answers it.
 
     Packed (the batch's ``position_ids`` restart within a row), the check makes its mask from the fake ids as the real
     run makes it from the real ones. One sequence per row (or positions the model makes itself), what the check gives
     is asked of the check itself, on real positions ``[[0, 1]]``: transformers 5 gives None (no packing: SDPA may skip
     the causal mask), 4.57 a mask of zeros in any case (the causal mask is built), made from the fake ids.
     """
-    masking = sys.modules.get("transformers.masking_utils")
-    original = getattr(masking, "find_packed_sequence_indices", None)
-    if original is None:
-        yield
-        return
 
-    def find_packed_sequence_indices(position_ids: torch.Tensor) -> Any:
-        if not _fake(position_ids) or packed:
-            return original(position_ids)
+    @functools.wraps(check)
+    def answered(position_ids: torch.Tensor) -> Any:
+        if not is_fake(position_ids) or packed:
+            return check(position_ids)
         with outer_modes_paused():
-            unpacked = original(torch.arange(2).unsqueeze(0))
-        return None if unpacked is None else original(position_ids)
+            unpacked = check(torch.arange(2).unsqueeze(0))
+        return None if unpacked is None else check(position_ids)
 
-    masking.find_packed_sequence_indices = find_packed_sequence_indices
-    try:
-        yield
-    finally:
-        masking.find_packed_sequence_indices = original
+    return answered
 
 
-#: Transformers' "may SDPA's causal mask be skipped?" checks, whose first argument is the 2-D padding mask:
-#: ``(module, owner, name)``, the owner a class where the function is a static method of one.
-_CAUSAL_SKIP_CHECKS = (
-    ("transformers.masking_utils", None, "_ignore_causal_mask_sdpa"),
-    ("transformers.modeling_attn_mask_utils", "AttentionMaskConverter", "_ignore_causal_mask_sdpa"),
-)
-
-
-@contextlib.contextmanager
-def _padding_as_in_the_batch(padded: bool) -> Iterator[None]:
-    """Transformers' check whether SDPA may skip the causal mask (and take ``is_causal``, the flash kernel's way),
-    answered for a fake 2-D padding mask as the real batch answers it.
-
-    The check reads the mask's values: a fake one has none, and transformers then builds a ``B×1×L×L`` mask (5.x)
-    or cannot go on (4.x). With no padding (a batch whose ``attention_mask`` is all ones, or has none) the mask is
-    read as absent, which the check treats as all ones; with padding the check's answer is no, as on the real batch.
-    Transformers' warning about padding without a mask is skipped for fake ids (see ``_PADDING_WARNING``).
-    """
-    patched: list[tuple[Any, str, Any]] = []
-    for module_name, owner_name, name in _CAUSAL_SKIP_CHECKS:
-        module = sys.modules.get(module_name)
-        owner = getattr(module, owner_name, None) if owner_name else module
-        original = owner.__dict__.get(name) if owner is not None else None
-        function = original.__func__ if isinstance(original, staticmethod) else original
-        if not callable(function):
-            continue
-        checked = _answered_for_fake_masks(function, padded)
-        setattr(owner, name, staticmethod(checked) if isinstance(original, staticmethod) else checked)
-        patched.append((owner, name, original))
-    modeling = sys.modules.get("transformers.modeling_utils")
-    model_class = getattr(modeling, "PreTrainedModel", None)
-    warn = model_class.__dict__.get(_PADDING_WARNING) if model_class is not None else None
-    if callable(warn):
-        setattr(model_class, _PADDING_WARNING, _skipped_for_fake_ids(warn))
-        patched.append((model_class, _PADDING_WARNING, warn))
-    try:
-        yield
-    finally:
-        for owner, name, original in reversed(patched):
-            setattr(owner, name, original)
-
-
-#: Transformers' one-time warning that ``input_ids`` may hold padding and no ``attention_mask`` was given: it reads
-#: the ids, so transformers 5 skips it for fake ones, and 4.57 could not go on.
-_PADDING_WARNING = "warn_if_padding_and_no_attention_mask"
-
-
-def _skipped_for_fake_ids(warn: Any) -> Any:
-    @functools.wraps(warn)
-    def skipped(self: Any, input_ids: Any, *args: Any, **kwargs: Any) -> Any:
-        return None if _fake(input_ids) else warn(self, input_ids, *args, **kwargs)
-
-    return skipped
-
-
-def _answered_for_fake_masks(check: Any, padded: bool) -> Any:
+def _padding_answered(check: Any, padded: bool) -> Any:
+    """Transformers' check whether SDPA may skip the causal mask (``_ignore_causal_mask_sdpa``, whose first argument is
+    the 2-D padding mask), answered for a fake mask as the real batch answers it: with no padding the mask is read as
+    absent, which the check treats as all ones; with padding the answer is no."""
     name = next(iter(inspect.signature(check).parameters))  # the mask (``padding_mask``, ``attention_mask``)
 
     @functools.wraps(check)
     def answered(*args: Any, **kwargs: Any) -> Any:
         mask = args[0] if args else kwargs.get(name)
-        if _fake(mask) and mask.dim() == 2:
+        if is_fake(mask) and mask.dim() == 2:
             if padded:
                 return False
             if args:
@@ -185,8 +151,14 @@ def _answered_for_fake_masks(check: Any, padded: bool) -> Any:
     return answered
 
 
-@contextlib.contextmanager
-def answered_as_the_batch(batch: Any) -> Iterator[None]:
-    """Within: transformers' questions about values (see the module's docstring) answered as ``batch`` answers them."""
-    with _packing_as_in_the_batch(batch_is_packed(batch)), _padding_as_in_the_batch(batch_has_padding(batch)):
-        yield
+#: Transformers' one-time warning that ``input_ids`` may hold padding and no ``attention_mask`` was given: it reads
+#: the ids, so transformers 5 skips it for fake ones, and 4.57 could not go on.
+_PADDING_WARNING = "warn_if_padding_and_no_attention_mask"
+
+
+def _skipped_for_fake_ids(warn: Any) -> Any:
+    @functools.wraps(warn)
+    def skipped(self: Any, input_ids: Any, *args: Any, **kwargs: Any) -> Any:
+        return None if is_fake(input_ids) else warn(self, input_ids, *args, **kwargs)
+
+    return skipped

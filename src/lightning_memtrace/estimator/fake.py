@@ -23,6 +23,13 @@ def fake_mode() -> Any:
     return FakeTensorMode(allow_non_fake_inputs=False)
 
 
+def is_fake(value: Any) -> bool:
+    """Whether ``value`` is a fake tensor (shape, dtype and device; no values to read)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(value, FakeTensor)
+
+
 @contextlib.contextmanager
 def outer_modes_paused() -> Iterator[None]:
     """Take the dispatch modes already active (a running MemTrace's tracker) off the stack while estimating.

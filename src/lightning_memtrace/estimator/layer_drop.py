@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from lightning_memtrace.estimator.fake import is_fake
+
 #: ``draw < p`` in every spelling that reaches ``__torch_function__``.
 _BELOW = frozenset({torch.Tensor.__lt__, torch.Tensor.lt, torch.lt})
 #: How Python's ``if`` asks a tensor for its truth.
@@ -41,7 +43,7 @@ class _LayerDropMode(TorchFunctionMode):
         if func in _TRUTH and len(args) == 1 and _held(self._below, args[0]):
             return False
         out = func(*args, **kwargs)
-        if func is torch.rand and isinstance(out, torch.Tensor) and out.dim() == 0 and _is_fake(out):
+        if func is torch.rand and isinstance(out, torch.Tensor) and out.dim() == 0 and is_fake(out):
             _hold(self._draws, out)
         elif (
             func in _BELOW
@@ -62,12 +64,6 @@ def _hold(table: dict[int, weakref.ref[torch.Tensor]], tensor: torch.Tensor) -> 
 def _held(table: dict[int, weakref.ref[torch.Tensor]], value: Any) -> bool:
     ref = table.get(id(value))
     return ref is not None and ref() is value
-
-
-def _is_fake(tensor: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(tensor, FakeTensor)
 
 
 @contextlib.contextmanager
