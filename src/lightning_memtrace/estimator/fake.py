@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,6 +30,34 @@ def is_fake(value: Any) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
     return isinstance(value, FakeTensor)
+
+
+def value_dependent_errors() -> tuple[type[Exception], ...]:
+    """What fake tensors raise where the step needs a value they do not have (a shape made by ``nonzero``, an
+    ``if`` on a tensor, ``.item()``)."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+    return (DataDependentOutputException, DynamicOutputShapeException)
+
+
+@contextlib.contextmanager
+def meta_failures_unlogged() -> Iterator[None]:
+    """Within, on this thread: a failing meta kernel raises without torch first logging its traceback.
+
+    ``FakeTensorMode`` logs each failure with ``logging.exception`` and then raises it; the estimate reports the error
+    itself, in one line, so the traceback on the user's console would be noise. Other threads still log.
+    """
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    thread = threading.get_ident()
+
+    def other_threads_only(record: logging.LogRecord) -> bool:
+        return record.thread != thread
+
+    logger.addFilter(other_threads_only)
+    try:
+        yield
+    finally:
+        logger.removeFilter(other_threads_only)
 
 
 @contextlib.contextmanager

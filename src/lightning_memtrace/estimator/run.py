@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+import traceback
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -22,8 +23,16 @@ from lightning_memtrace.estimator.attention import attention_label, attn_impleme
 from lightning_memtrace.estimator.batch_values import answered_as_the_batch
 from lightning_memtrace.capture.storages import unique_storages
 from lightning_memtrace.estimator.closed_form import closed_form
-from lightning_memtrace.estimator.fake import fake_copy, fake_mode, outer_modes_paused
+from lightning_memtrace.analysis.frames import format_frame, user_frame
+from lightning_memtrace.estimator.fake import (
+    fake_copy,
+    fake_mode,
+    meta_failures_unlogged,
+    outer_modes_paused,
+    value_dependent_errors,
+)
 from lightning_memtrace.estimator.inputs import Precision, batch_dims
+from lightning_memtrace.estimator.grouped_mm import grouped_mm_in_every_dtype
 from lightning_memtrace.estimator.layer_drop import no_layer_dropped
 from lightning_memtrace.estimator.loop import run_steps
 from lightning_memtrace.estimator.result import Estimate
@@ -105,7 +114,7 @@ def estimate(
     world_size = check_world_size(world_size)
     world = fake_world(world_size, fake_device.type) if world_size > 1 else contextlib.nullcontext()
     mode = fake_mode()
-    with warnings.catch_warnings(), outer_modes_paused(), world as mesh:
+    with warnings.catch_warnings(), outer_modes_paused(), meta_failures_unlogged(), world as mesh:
         warnings.simplefilter("ignore")
         model = fake_copy(module, mode, fake_device, precision.param_dtype, in_place=not copy_module)
         model.train()
@@ -116,20 +125,28 @@ def estimate(
         blocks = shard_like_the_run(model, mesh) if mesh is not None else 0
         optimizer = _build_optimizer(model, mode, target, optimizer_factory, lightning)
         prefetch = prefetch and not emulate_cuda and fake_device.type == "cpu"
-        with sdpa_watched(cuda_stand_in=emulate_cuda) as kernels, answered_as_the_batch(batch), no_layer_dropped():
-            records = run_steps(
-                model,
-                optimizer,
-                batch,
-                mode,
-                fake_device,
-                precision,
-                accumulate,
-                steps,
-                lightning,
-                training_step,
-                prefetch,
-            )
+        with (
+            sdpa_watched(cuda_stand_in=emulate_cuda) as kernels,
+            answered_as_the_batch(batch),
+            no_layer_dropped(),
+            grouped_mm_in_every_dtype(model),
+        ):
+            try:
+                records = run_steps(
+                    model,
+                    optimizer,
+                    batch,
+                    mode,
+                    fake_device,
+                    precision,
+                    accumulate,
+                    steps,
+                    lightning,
+                    training_step,
+                    prefetch,
+                )
+            except value_dependent_errors() as error:
+                raise ValueError(_needs_values(error, model)) from None
     if emulate_cuda:
         records = _without_host_steps(records, optimizer)
     batch_size, seq_len = batch_dims(batch)
@@ -185,6 +202,33 @@ def estimate_for_module(
         device=device if device is not None else _module_device(pl_module),
         steps=steps,
     )
+
+
+def _needs_values(error: Exception, model: nn.Module) -> str:
+    """One line for a step that asked a fake tensor for a value: the op, the line that asked, what to do."""
+    frames = [
+        {"filename": frame.filename, "line": frame.lineno, "name": frame.name}
+        for frame in reversed(traceback.extract_tb(error.__traceback__))
+    ]
+    text = (
+        f"the training step needs tensor values, which an estimate on fake tensors does not have ({error}, at "
+        f"{format_frame(user_frame(frames))}): a step whose shapes or branches follow values (boolean-mask "
+        "indexing, nonzero, torch.where with one argument, an if or .item() on a tensor, a loop over the experts a "
+        "batch is routed to) cannot be estimated"
+    )
+    if _has_experts(model):
+        text += (
+            "; transformers 5 runs mixture-of-experts layers as grouped matrix products "
+            "(experts_implementation='grouped_mm', its default), which the estimate runs"
+        )
+    return text
+
+
+def _has_experts(model: nn.Module) -> bool:
+    """Whether a Hugging Face config in the model (a LightningModule holds one in a submodule) has several experts."""
+    names = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+    config = next((sub.config for sub in model.modules() if getattr(sub, "config", None) is not None), None)
+    return any(isinstance(getattr(config, name, None), int) and getattr(config, name) > 1 for name in names)
 
 
 # ------------------------------------------------------------------------------------------------ devices
