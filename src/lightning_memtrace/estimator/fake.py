@@ -73,6 +73,47 @@ def outer_modes_paused() -> Iterator[None]:
         yield
 
 
+def uncompiled(module: nn.Module) -> nn.Module:
+    """The module ``torch.compile`` wrapped (an ``OptimizedModule``'s ``_orig_mod``), else ``module`` itself.
+
+    The estimate runs the module eagerly: a compiled graph may save less for backward than the eager ops do.
+    """
+    original = module.__dict__.get("_modules", {}).get("_orig_mod")
+    return original if isinstance(original, nn.Module) else module
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """Whether ``torch.compile`` wrapped the module or a submodule, or Lightning compiled its steps."""
+    return any(
+        isinstance(sub.__dict__.get("_modules", {}).get("_orig_mod"), nn.Module)
+        or isinstance(sub.__dict__.get("_compiler_ctx"), dict)
+        for sub in module.modules()
+    )
+
+
+def _eager(module: nn.Module) -> nn.Module:
+    """The copy runs eagerly: its submodules without ``torch.compile``'s wrapper, its class's ``forward`` and
+    ``*_step`` methods where Lightning put compiled ones.
+
+    Compiling on fake tensors would trace the user's code for nothing, and fill the compile cache the real run uses.
+    ``Trainer.fit`` takes ``torch.compile(lightning_module)`` by unwrapping it and setting, on the module itself,
+    ``forward`` and each ``*_step`` compiled from the original module's bound methods (and naming them in its
+    ``_compiler_ctx`` as ``original_<name>``): called on the copy, they would run the real module.
+    """
+    for sub in list(module.modules()):
+        for name, child in list(sub._modules.items()):
+            if child is not None and uncompiled(child) is not child:
+                sub._modules[name] = uncompiled(child)
+    for sub in module.modules():
+        context = sub.__dict__.get("_compiler_ctx")
+        if isinstance(context, dict):
+            for key in context:
+                if key.startswith("original_"):
+                    sub.__dict__.pop(key.removeprefix("original_"), None)
+            sub._compiler_ctx = None
+    return module
+
+
 def _fake_tensor(tensor: Tensor, mode: Any, device: torch.device, dtype: torch.dtype | None = None) -> Tensor:
     with mode:
         return torch.empty_strided(
@@ -125,7 +166,7 @@ def _deep_copy(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
             if param is not None and param.grad is not None:
                 memo[id(param.grad)] = None
     try:
-        return copy.deepcopy(module, memo)
+        return _eager(copy.deepcopy(module, memo))
     except Exception as error:
         raise ValueError(
             f"cannot copy {type(module).__name__} onto fake tensors: {type(error).__name__}: {error}"

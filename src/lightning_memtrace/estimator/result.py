@@ -33,6 +33,8 @@ class Estimate:
         attention: The attention the estimate ran and, for SDPA, its kernel (``eager``, ``sdpa (flash kernel)``,
             ``sdpa (math kernel)``; for a CUDA target estimated on CPU, the CUDA kernel assumed), or empty for a
             model without attention.
+        compiled: The module (or a submodule) was compiled with ``torch.compile``; the estimate ran it eagerly, and
+            a compiled graph may save less for backward than the eager ops do.
     """
 
     records: tuple[PhaseRecord, ...]
@@ -49,6 +51,7 @@ class Estimate:
     attention: str = ""
     world_size: int = 1
     sharding: str = ""
+    compiled: bool = False
 
     def __repr__(self) -> str:
         """One line, as :meth:`describe` with the peak (the rows are in ``records``, the table in :meth:`table`)."""
@@ -119,6 +122,7 @@ class Estimate:
             "attention": self.attention,
             "world_size": self.world_size,
             "sharding": self.sharding,
+            "compiled": self.compiled,
             "peak_bytes": self.peak_bytes,
             "phase_peaks": {p.value: v for p, v in self.phase_peaks().items()},
             "categories": {c.value: v for c, v in self.category_bytes().items()},
@@ -168,6 +172,8 @@ class Estimate:
             parts.append(f"attention {self.attention}")
         if self.world_size > 1:
             parts.append(f"FSDP2 over {self.world_size} ranks (rank 0)")
+        if self.compiled:
+            parts.append("compiled module estimated eagerly (a compiled graph may save less)")
         return ", ".join(parts)
 
 

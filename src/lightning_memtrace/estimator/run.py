@@ -27,8 +27,10 @@ from lightning_memtrace.analysis.frames import format_frame, user_frame
 from lightning_memtrace.estimator.fake import (
     fake_copy,
     fake_mode,
+    is_compiled,
     meta_failures_unlogged,
     outer_modes_paused,
+    uncompiled,
     value_dependent_errors,
 )
 from lightning_memtrace.estimator.inputs import Precision, batch_dims
@@ -101,6 +103,8 @@ def estimate(
         An :class:`Estimate` with the callback's rows for every estimated batch and the closed-form figures.
     """
     started = time.perf_counter()
+    compiled = is_compiled(module)
+    module = uncompiled(module)
     precision = Precision.parse(precision)
     accumulate = max(1, int(accumulate_grad_batches))
     steps = max(2, int(steps))
@@ -167,6 +171,7 @@ def estimate(
         gradient_checkpointing=bool(gradient_checkpointing or _checkpointing_on(model)),
         seconds=time.perf_counter() - started,
         attention=attention_label(attn_implementation(model), kernels, emulate_cuda),
+        compiled=compiled,
     )
 
 
