@@ -230,7 +230,12 @@ def architecture_grid(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--configs", nargs="*", default=[str(CONFIGS / name) for name in DEFAULT_CONFIGS])
+    parser.add_argument(
+        "--configs",
+        nargs="*",
+        default=[str(CONFIGS / name) for name in DEFAULT_CONFIGS],
+        help="config.json paths, or names of the reference configs (default: all three)",
+    )
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--precision", default="32-true")
@@ -274,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore")
     rows = []
     for path in map(Path, args.configs):
+        if not path.exists() and (CONFIGS / path).is_file():
+            path = CONFIGS / path  # a reference config by name: --configs gpt2-124m.json
         config = load_config_dict(path)
         model = build_meta_model(path)
         kwargs: dict[str, Any] = {"optimizer": args.optimizer, "precision": args.precision, "model": model}
