@@ -24,7 +24,8 @@ $(STAMP): pyproject.toml Makefile
 	  echo "installing torch==2.13.0"; \
 	  $(VPY) -m pip install -q "torch==2.13.0"; \
 	fi
-	@$(VPY) -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/torch-constraint.txt
+	@# the installed distribution's version: PyPI's CUDA wheels say 2.13.0 there, and 2.13.0+cu130 in torch.__version__
+	@$(VPY) -c "import importlib.metadata as m; print('torch==' + m.version('torch'))" > $(VENV)/torch-constraint.txt
 	@echo "using $$(cat $(VENV)/torch-constraint.txt)"
 	$(VPY) -m pip install -q -c $(VENV)/torch-constraint.txt -e ".[$(EXTRAS)]"
 	@touch $(STAMP)
