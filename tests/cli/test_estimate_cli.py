@@ -74,7 +74,8 @@ def test_find_max_batch(capsys, tiny_peaks, one_layer):
     assert payload["estimate"]["peak_bytes"] == tiny_peaks[5]
     assert payload["searched_peaks"]["6"] == tiny_peaks[6]
     assert payload["estimate"]["categories"]["parameters"] == ONE_LAYER_PARAM_BYTES
-    assert sorted(int(k) for k in payload["searched_peaks"]) == [1, 2, 4, 5, 6, 8]  # doubling, then bisection
+    # 1 and 2, then the line through their peaks: 6 is the first too large, 5 the last that fits
+    assert sorted(int(k) for k in payload["searched_peaks"]) == [1, 2, 5, 6]
 
 
 def test_options_reach_the_estimate(capsys, one_layer):
