@@ -44,18 +44,21 @@ def _memtrace_own(line: str) -> bool:
     return "MemTrace" in line or "lightning_memtrace" in line
 
 
+#: The line of carets Python (3.13 more often than 3.11) prints under a traceback's source line.
+_CARETS = re.compile(r"^\s*[~^]+\s*$")
+
+
 def _without_memtrace_frames(lines: list[str]) -> list[str]:
-    """Drop MemTrace's lines, and in a traceback the source line under a frame of MemTrace's (its dispatch mode runs
-    in the history window, so an error raised by an operator there passes through it)."""
+    """Drop MemTrace's lines, and in a traceback the source line (and its carets) under a frame of MemTrace's (its
+    dispatch mode runs in the history window, so an error raised by an operator there passes through it)."""
     out, skip_source = [], False
     for line in lines:
         if _memtrace_own(line):
             skip_source = line.lstrip().startswith("File ")
             continue
-        if skip_source:
-            skip_source = False
-            if line.startswith("    "):
-                continue
+        if skip_source and (line.startswith("    ") or _CARETS.match(line)):
+            continue
+        skip_source = False
         out.append(line)
     return out
 
