@@ -20,7 +20,8 @@ from tiny_architectures import _DECODER, ConfigLM
 from torch import nn
 
 from lightning_memtrace.estimator import estimate, estimate_from_config
-from lightning_memtrace.estimator.grouped_mm import output_shape
+from lightning_memtrace.estimator.fake import fake_mode
+from lightning_memtrace.estimator.grouped_mm import grouped_mm_in_every_dtype, output_shape
 
 BATCH, SEQ = 4, 128
 TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
@@ -56,8 +57,8 @@ def test_mixture_of_experts_matches_real_run(tmp_path, config, precision):
     [((12, 8), (3, 8, 4), 3), ((3, 5, 8), (3, 8, 4), None), ((8, 12), (12, 4), 3), ((3, 8, 12), (12, 4), 3)],
     ids=["2d-3d", "3d-3d", "2d-2d", "3d-2d"],
 )
-def test_grouped_output_shape_is_the_real_kernels(shape_a, shape_b, groups):
-    """Against the real CPU kernel, in float32 (the dtype the meta kernel refuses)."""
+def test_grouped_output_is_laid_out_as_the_real_kernels(shape_a, shape_b, groups):
+    """Against the real CPU kernel, in float32 (the dtype the meta kernel refuses): shape, strides and dtype."""
     mat_a, mat_b = torch.randn(shape_a), torch.randn(shape_b)
     offs = torch.tensor([4, 8, 12][:groups], dtype=torch.int32) if groups else None
     if mat_b.dim() == 2 and mat_a.dim() == 3:
@@ -67,6 +68,12 @@ def test_grouped_output_shape_is_the_real_kernels(shape_a, shape_b, groups):
     except RuntimeError as error:
         pytest.skip(f"this torch's CPU kernel refuses the case: {error}")
     assert output_shape(mat_a, mat_b, offs) == list(real.shape)
+    mode = fake_mode()
+    fakes = [mode.from_tensor(t) if t is not None else None for t in (mat_a, mat_b, offs)]
+    experts = nn.ParameterList([nn.Parameter(torch.zeros(2, 2, 2))])  # a weight stacked per expert turns the mode on
+    with mode, grouped_mm_in_every_dtype(experts):
+        fake = torch.nn.functional.grouped_mm(fakes[0], fakes[1], offs=fakes[2])
+    assert (fake.shape, fake.stride(), fake.dtype) == (real.shape, real.stride(), real.dtype)
 
 
 @pytest.mark.skipif(TRANSFORMERS_5, reason="transformers 5 runs the experts as grouped_mm")

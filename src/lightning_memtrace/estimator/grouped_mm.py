@@ -1,10 +1,11 @@
 """Grouped matrix products on fake tensors in every dtype the real kernels take: mixture-of-experts layers.
 
 Transformers 5 runs the experts of a mixture-of-experts layer (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek and others) as
-``torch.nn.functional.grouped_mm`` by default. The real kernels multiply float32 (CPU, and CUDA since torch 2.9) as
-well as bfloat16, but the meta kernel fake tensors run checks the bfloat16-only rule of torch's first CUDA kernel, so
-a float32 step stopped at the first expert. Here such a call gets the output the real kernel makes (its shape, the
-dtype asked for, contiguous); a bfloat16 call runs the meta kernel unchanged.
+``torch.nn.functional.grouped_mm`` by default. The real kernels take any floating dtype (CUDA's fast kernel is for
+bfloat16 only, and a loop of ``mm`` calls does the rest there, as on CPU), but the meta kernel fake tensors run checks
+for bfloat16, so a float32 step stopped at the first expert. Here such a call gets the output the real kernels make
+(``create_grouped_gemm_output_tensor``: its shape, the dtype asked for, rows padded to 16 bytes); a bfloat16 call runs
+the meta kernel unchanged.
 """
 
 from __future__ import annotations
@@ -48,8 +49,16 @@ class _GroupedMmMode(TorchDispatchMode):
             mat_a, mat_b = bound["self"], bound["mat2"]
             if is_fake(mat_a) and not mat_a.dtype == mat_b.dtype == torch.bfloat16:
                 dtype = bound.get("out_dtype") or mat_a.dtype
-                return mat_a.new_empty(output_shape(mat_a, mat_b, bound.get("offs")), dtype=dtype)
+                shape = output_shape(mat_a, mat_b, bound.get("offs"))
+                return mat_a.new_empty_strided(shape, _padded_strides(shape, dtype), dtype=dtype)
         return func(*args, **kwargs)
+
+
+def _padded_strides(shape: list[int], dtype: torch.dtype) -> list[int]:
+    """Row-major strides with each row rounded up to 16 bytes, as the real kernels lay their output out."""
+    alignment = max(1, 16 // dtype.itemsize)
+    row = -(-shape[-1] // alignment) * alignment
+    return [shape[1] * row, row, 1] if len(shape) == 3 else [row, 1]
 
 
 @contextlib.contextmanager
