@@ -287,3 +287,18 @@ def test_forked_workers_that_die_leave_the_work_to_this_process():
 
     results = map_forked(task, [1, 2, 3], 2)
     assert [value for value, _ in results] == [1, 4, 9] and all(here for _, here in results)
+
+
+def test_the_checkpointing_snippet_runs_on_the_model_without_a_deprecation():
+    """Transformers 5.2x deprecates ``gradient_checkpointing_enable``: the snippet calls what the model offers."""
+    import warnings
+
+    from lightning_memtrace.estimator.what_if import _checkpointing_snippet
+    from lightning_memtrace.models import TINY_QWEN2_CONFIG, build_causal_lm
+
+    model = build_causal_lm(TINY_QWEN2_CONFIG)
+    line = _checkpointing_snippet(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        exec(line, {"model": model})  # noqa: S102 - the snippet's own text, as a user pastes it
+    assert model.is_gradient_checkpointing

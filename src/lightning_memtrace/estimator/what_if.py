@@ -60,6 +60,8 @@ class Setup:
 
     settings: Settings
     huggingface: bool = False
+    #: The model whose methods the snippet's lines call.
+    model_for_snippets: nn.Module
 
     def run(self, settings: Settings) -> Estimate:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -86,6 +88,14 @@ def _block_bytes(model: nn.Module, precision: str) -> int:
 
 def _is_huggingface(model: nn.Module) -> bool:
     return any(callable(getattr(m, "gradient_checkpointing_enable", None)) for m in model.modules())
+
+
+def _checkpointing_snippet(model: nn.Module) -> str:
+    """Hugging Face's call that turns on non-reentrant checkpointing: ``activation_checkpointing_enable`` where the
+    model has it (transformers 5.2x, which deprecates the older name), else ``gradient_checkpointing_enable``."""
+    if any(callable(getattr(m, "activation_checkpointing_enable", None)) for m in model.modules()):
+        return 'model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})'
+    return 'model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})'
 
 
 def resize_batch(batch: Any, batch_size: int | None) -> Any:
@@ -122,6 +132,7 @@ class ModuleSetup(Setup):
         self.device = _target_device(module, device)
         self.lightning = _is_lightning_module(module)
         self.huggingface = _is_huggingface(module)
+        self.model_for_snippets = module
 
     def _base_factory(self, model: nn.Module) -> Any:
         if self.optimizer_factory is not None:
@@ -164,6 +175,7 @@ class ConfigSetup(Setup):
 
         self.config, self.seq_len, self.settings = config, int(seq_len), settings
         self.model = model if model is not None else build_meta_model(config)
+        self.model_for_snippets = self.model
         self.options = options  # optimizer, device, lr, steps
 
     def _base_factory(self, model: nn.Module) -> Any:
@@ -757,7 +769,7 @@ def _module_lines(setup: Setup, picked: Sequence[Remedy]) -> list[str]:
         )
     if Remedy.GRADIENT_CHECKPOINTING in picked:
         if setup.huggingface:
-            lines.append('model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})')
+            lines.append(_checkpointing_snippet(setup.model_for_snippets))
         else:
             lines.append("lightning_memtrace.estimator.remedies.enable_checkpointing(model)  # blocks checkpointed")
     optimizers = {
