@@ -681,3 +681,23 @@ def test_stacks_nested_too_deeply_to_compare_are_analysed_apart() -> None:
     rep = replay({"segments": [], "device_traces": [trace]})
     assert rep.peak.live_bytes == 10
     assert list(rep.main.allocations["site"]) == ["/u/t.py:1", "/u/t.py:1"]
+
+
+def test_torch_2_15_annotate_events_change_no_figure() -> None:
+    """torch 2.15 records ``torch.cuda.memory._annotate_tensor`` as an ``annotate`` event on a live allocation's address
+    (size 0 where present, the annotation in ``user_metadata``): the live bytes, the peak and its sites stay as they
+    are without it."""
+    plain = load_snapshot(snapshot_fixture("drisspg_mini_snapshot.pickle"))
+    annotated = load_snapshot(snapshot_fixture("drisspg_mini_snapshot.pickle"))
+    trace = annotated.data["device_traces"][0]
+    allocs = [index for index, event in enumerate(trace) if event["action"] == "alloc"]
+    for index in reversed(allocs[:5]):
+        event = trace[index]
+        annotation = {"action": "annotate", "addr": event["addr"], "size": 0, "stream": 0, "user_metadata": "saved"}
+        trace.insert(index + 1, dict(annotation, time_us=event.get("time_us", 0), frames=event.get("frames", [])))
+    before, after = replay(plain), replay(annotated)
+    assert len(trace) == len(plain.data["device_traces"][0]) + 5
+    assert after.peak.live_bytes == before.peak.live_bytes == 402_752_512
+    live = [list(r.main.timeline["live_bytes"].drop_duplicates()) for r in (before, after)]
+    assert live[0] == live[1]
+    assert after.peak.sites["bytes"].sum() == before.peak.sites["bytes"].sum()
