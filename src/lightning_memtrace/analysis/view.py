@@ -23,6 +23,12 @@ if TYPE_CHECKING:
 DEFAULT_SITES = 25
 
 
+def stage_and_step(stage: Any, step: int) -> str:
+    """``"forward, step 3"``, or ``"forward"`` where no step is known (``step < 0``: a snapshot without MemTrace's
+    marks)."""
+    return f"{stage}, step {step}" if step >= 0 else str(stage)
+
+
 @dataclasses.dataclass(frozen=True)
 class Share:
     """One category's bytes and share of the total."""
@@ -104,7 +110,7 @@ class MemoryView:
             return None
         if self.before_trace:
             return "before the first event"
-        return f"{self.stage}, step {self.step}" if self.step >= 0 else str(self.stage)
+        return stage_and_step(self.stage, self.step)
 
     @property
     def inferred_percent(self) -> float:

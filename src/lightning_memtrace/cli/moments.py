@@ -8,6 +8,7 @@ import argparse
 import json
 from typing import Any
 
+from lightning_memtrace.analysis.view import stage_and_step
 from lightning_memtrace.cli.errors import CliError
 from lightning_memtrace.units import format_bytes
 
@@ -95,8 +96,7 @@ def _bytes(value: int) -> str:
 def _when(peak: Any) -> str:
     if peak.index < 0:
         return "before the first event"
-    step = f", step {peak.step}" if peak.step >= 0 else ""  # no step known (a snapshot without MemTrace's marks)
-    return f"event {peak.index} (t = {peak.time_us:,} us), {peak.stage}{step}"
+    return f"event {peak.index} (t = {peak.time_us:,} us), {stage_and_step(peak.stage, peak.step)}"
 
 
 def moment_table(answer: Any, name: str) -> Any:
