@@ -293,11 +293,11 @@ def test_the_checkpointing_snippet_runs_on_the_model_without_a_deprecation():
     """Transformers 5.2x deprecates ``gradient_checkpointing_enable``: the snippet calls what the model offers."""
     import warnings
 
-    from lightning_memtrace.estimator.what_if import _checkpointing_snippet
+    from lightning_memtrace.estimator.what_if import checkpointing_line
     from lightning_memtrace.models import TINY_QWEN2_CONFIG, build_causal_lm
 
     model = build_causal_lm(TINY_QWEN2_CONFIG)
-    line = _checkpointing_snippet(model)
+    line = checkpointing_line(model)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         exec(line, {"model": model})  # noqa: S102 - the snippet's own text, as a user pastes it

@@ -271,23 +271,35 @@ def _is_lightning_module(module: nn.Module) -> bool:
     return isinstance(module, pl.LightningModule)
 
 
-def _enable_gradient_checkpointing(model: nn.Module) -> None:
+#: Hugging Face's methods that turn activation checkpointing on, each with its keyword for the checkpoint's options:
+#: the newer name first (transformers 5.2x deprecates the older).
+_HF_CHECKPOINTING = (
+    ("activation_checkpointing_enable", "activation_checkpointing_kwargs"),
+    ("gradient_checkpointing_enable", "gradient_checkpointing_kwargs"),
+)
+
+
+def hf_checkpointing_method(model: nn.Module) -> tuple[nn.Module, str, str] | None:
+    """The first submodule with one of Hugging Face's checkpointing methods, the method's name and its keyword; None
+    for a model without one."""
     for sub in model.modules():
-        enable = getattr(sub, "activation_checkpointing_enable", None)  # transformers >= 5
-        if callable(enable):
-            enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            enable = getattr(sub, "gradient_checkpointing_enable", None)
-            if callable(enable):
-                enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if callable(enable):
-            config = getattr(sub, "config", None)
-            if config is not None and hasattr(config, "use_cache"):
-                config.use_cache = False
-            return
-    raise ValueError(
-        f"{type(model).__name__} has no gradient_checkpointing_enable(): enable checkpointing in the module"
-    )
+        for method, keyword in _HF_CHECKPOINTING:
+            if callable(getattr(sub, method, None)):
+                return sub, method, keyword
+    return None
+
+
+def _enable_gradient_checkpointing(model: nn.Module) -> None:
+    found = hf_checkpointing_method(model)
+    if found is None:
+        raise ValueError(
+            f"{type(model).__name__} has no gradient_checkpointing_enable(): enable checkpointing in the module"
+        )
+    sub, method, keyword = found
+    getattr(sub, method)(**{keyword: {"use_reentrant": False}})
+    config = getattr(sub, "config", None)
+    if config is not None and hasattr(config, "use_cache"):
+        config.use_cache = False
 
 
 def _prepare(model: nn.Module, prepare: Callable[[nn.Module], Any], mode: Any) -> None:

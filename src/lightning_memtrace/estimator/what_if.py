@@ -59,9 +59,8 @@ class Setup:
     """A training setup to estimate under different :class:`Settings` (subclasses: a module, a config)."""
 
     settings: Settings
-    huggingface: bool = False
-    #: The model whose methods the snippet's lines call.
-    model_for_snippets: nn.Module
+    #: The snippet's line that turns checkpointing on where the model is Hugging Face's (None: it is not).
+    checkpointing_line: str | None = None
 
     def run(self, settings: Settings) -> Estimate:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -86,16 +85,17 @@ def _block_bytes(model: nn.Module, precision: str) -> int:
     return max(sizes, default=0)
 
 
-def _is_huggingface(model: nn.Module) -> bool:
-    return any(callable(getattr(m, "gradient_checkpointing_enable", None)) for m in model.modules())
+def checkpointing_line(model: nn.Module) -> str | None:
+    """Hugging Face's call that turns non-reentrant checkpointing on, as the model offers it (the method the estimate
+    calls: ``activation_checkpointing_enable`` in transformers 5.2x, else ``gradient_checkpointing_enable``); None for
+    a model without one."""
+    from lightning_memtrace.estimator.run import hf_checkpointing_method
 
-
-def _checkpointing_snippet(model: nn.Module) -> str:
-    """Hugging Face's call that turns on non-reentrant checkpointing: ``activation_checkpointing_enable`` where the
-    model has it (transformers 5.2x, which deprecates the older name), else ``gradient_checkpointing_enable``."""
-    if any(callable(getattr(m, "activation_checkpointing_enable", None)) for m in model.modules()):
-        return 'model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})'
-    return 'model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})'
+    found = hf_checkpointing_method(model)
+    if found is None:
+        return None
+    _, method, keyword = found
+    return f'model.{method}({keyword}={{"use_reentrant": False}})'
 
 
 def resize_batch(batch: Any, batch_size: int | None) -> Any:
@@ -131,8 +131,7 @@ class ModuleSetup(Setup):
         self.optimizer_factory, self.training_step, self.steps = optimizer_factory, training_step, steps
         self.device = _target_device(module, device)
         self.lightning = _is_lightning_module(module)
-        self.huggingface = _is_huggingface(module)
-        self.model_for_snippets = module
+        self.checkpointing_line = checkpointing_line(module)
 
     def _base_factory(self, model: nn.Module) -> Any:
         if self.optimizer_factory is not None:
@@ -168,14 +167,12 @@ class ModuleSetup(Setup):
 class ConfigSetup(Setup):
     """A Hugging Face causal LM from its config, as :func:`~lightning_memtrace.estimator.estimate_from_config` takes it."""
 
-    huggingface = True
-
     def __init__(self, config: Any, seq_len: int, settings: Settings, model: nn.Module | None = None, **options: Any):
         from lightning_memtrace.estimator.config import build_meta_model
 
         self.config, self.seq_len, self.settings = config, int(seq_len), settings
         self.model = model if model is not None else build_meta_model(config)
-        self.model_for_snippets = self.model
+        self.checkpointing_line = checkpointing_line(self.model)
         self.options = options  # optimizer, device, lr, steps
 
     def _base_factory(self, model: nn.Module) -> Any:
@@ -768,10 +765,10 @@ def _module_lines(setup: Setup, picked: Sequence[Remedy]) -> list[str]:
             "target_modules=[...attention projections]), model)  # base frozen; or remedies.apply_lora(model)"
         )
     if Remedy.GRADIENT_CHECKPOINTING in picked:
-        if setup.huggingface:
-            lines.append(_checkpointing_snippet(setup.model_for_snippets))
-        else:
-            lines.append("lightning_memtrace.estimator.remedies.enable_checkpointing(model)  # blocks checkpointed")
+        lines.append(
+            setup.checkpointing_line
+            or "lightning_memtrace.estimator.remedies.enable_checkpointing(model)  # blocks checkpointed"
+        )
     optimizers = {
         Remedy.ADAMW_8BIT: "configure_optimizers: return bitsandbytes.optim.AdamW8bit(params, lr=...)",
         Remedy.ADAFACTOR: "configure_optimizers: return transformers.optimization.Adafactor(params, lr=..., "
