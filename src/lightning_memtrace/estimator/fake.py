@@ -85,9 +85,7 @@ def uncompiled(module: nn.Module) -> nn.Module:
 def is_compiled(module: nn.Module) -> bool:
     """Whether ``torch.compile`` wrapped the module or a submodule, or Lightning compiled its steps."""
     return any(
-        isinstance(sub.__dict__.get("_modules", {}).get("_orig_mod"), nn.Module)
-        or isinstance(sub.__dict__.get("_compiler_ctx"), dict)
-        for sub in module.modules()
+        uncompiled(sub) is not sub or isinstance(sub.__dict__.get("_compiler_ctx"), dict) for sub in module.modules()
     )
 
 
@@ -100,11 +98,11 @@ def _eager(module: nn.Module) -> nn.Module:
     ``forward`` and each ``*_step`` compiled from the original module's bound methods (and naming them in its
     ``_compiler_ctx`` as ``original_<name>``): called on the copy, they would run the real module.
     """
+    # A wrapper's original module is among the modules listed before the wrapper is taken out.
     for sub in list(module.modules()):
         for name, child in list(sub._modules.items()):
-            if child is not None and uncompiled(child) is not child:
+            if child is not None:
                 sub._modules[name] = uncompiled(child)
-    for sub in module.modules():
         context = sub.__dict__.get("_compiler_ctx")
         if isinstance(context, dict):
             for key in context:
