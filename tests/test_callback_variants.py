@@ -190,8 +190,8 @@ def test_two_runs_into_one_folder_are_told_apart(tmp_path):
     assert phases.groupby("run").size().to_dict() == {runs[0]: 10, runs[1]: 10}
     assert (phases[phases.run == runs[1]].step.tolist()) == [0] * 5 + [1] * 5
     with open(tmp_path / "mt" / "phases_rank0.csv") as handle:
-        assert handle.readline().rstrip("\n").split(",")[-3:] == [
-            "run", "unsharded_parameters_bytes", "unsharded_gradients_bytes"
+        assert handle.readline().rstrip("\n").split(",")[-4:] == [
+            "run", "unsharded_parameters_bytes", "unsharded_gradients_bytes", "dataloader_idx"
         ]
 
 
@@ -225,3 +225,48 @@ def test_validation_rows_name_the_model_states_once_and_each_batch_inputs(tmp_pa
     assert list(val.inputs_bytes) == [n * 33 * 4 for n in rows]
     if not track_allocations:  # allocated is the sum of the categories
         assert list(val.allocated_bytes) == [params + adamw + n * 33 * 4 for n in rows]
+
+
+class TwoValidationLoaders(MLP):
+    """Two validation dataloaders of 32 and 20 samples (batches of 12): 3 and 2 batches, inputs of 33 floats a row."""
+
+    def val_dataloader(self):
+        g = torch.Generator().manual_seed(1)
+        sizes = (32, 20)
+        return [
+            torch.utils.data.DataLoader(
+                torch.utils.data.TensorDataset(torch.randn(n, 32, generator=g), torch.randn(n, 1, generator=g)),
+                batch_size=self.batch_size,
+            )
+            for n in sizes
+        ]
+
+    def validation_step(self, batch, batch_idx, dataloader_idx=0):
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self(x), y))
+
+
+def test_validation_rows_say_which_dataloader(tmp_path):
+    """With two validation dataloaders ``batch_idx`` starts again at 0 in the second; ``dataloader_idx`` tells them
+    apart (and is 0 on training rows)."""
+    callback = MemTrace(dirpath=tmp_path / "mt", history=False, report=False)
+    trainer(tmp_path, [callback], max_steps=2, limit_val_batches=5, val_check_interval=2).fit(
+        TwoValidationLoaders(batch_size=12)
+    )
+    phases = load_phases(tmp_path / "mt")
+    val = phases[phases.phase == "val_batch_start"]
+    assert list(zip(val.dataloader_idx, val.batch_idx)) == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]
+    assert list(val.inputs_bytes) == [n * 33 * 4 for n in (12, 12, 8, 12, 8)]
+    assert (phases[~phases.phase.str.startswith("val")].dataloader_idx == 0).all()
+    assert phases.dataloader_idx.dtype == "int64"
+
+
+def test_phases_csv_from_before_dataloader_idx_reads_as_zero(tmp_path):
+    """A CSV written before the column existed reads with ``dataloader_idx`` 0."""
+    callback = MemTrace(dirpath=tmp_path / "mt", history=False, report=False)
+    trainer(tmp_path, [callback], max_steps=1).fit(MLP())
+    path = tmp_path / "mt" / "phases_rank0.csv"
+    lines = path.read_text().splitlines()
+    path.write_text("".join(line.rsplit(",", 1)[0] + "\n" for line in lines))
+    phases = load_phases(path)
+    assert len(phases) == 5 and (phases.dataloader_idx == 0).all()

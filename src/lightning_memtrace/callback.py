@@ -91,6 +91,8 @@ class MemTrace(Callback):
       written into one folder are told apart by it
     - ``unsharded_parameters_bytes``, ``unsharded_gradients_bytes``: FSDP2's gathered full parameters (padded) and
       their full gradients before the reduce-scatter (local shards stay in the columns above); 0 unsharded
+    - ``dataloader_idx``: the validation dataloader of a validation row (``batch_idx`` counts within it); 0 for
+      training rows
 
     **Logged metrics** reach every logger of the Trainer the way those of Lightning's built-in callbacks do: through
     the Trainer's logger connector (each logger gets ``log_metrics(metrics=..., step=...)``, then ``save()``), at the
@@ -467,7 +469,9 @@ class MemTrace(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
         if self.recorder is not None and not trainer.sanity_checking:
-            self.recorder.begin_batch(batch, trainer.global_step, trainer.current_epoch, batch_idx, training=False)
+            self.recorder.begin_batch(
+                batch, trainer.global_step, trainer.current_epoch, batch_idx, training=False, dataloader_idx=dataloader_idx
+            )
 
     @override
     @_guarded

@@ -206,6 +206,9 @@ class PhaseRecord:
     #: shards stay in ``parameters_bytes`` and ``gradients_bytes``); 0 on an unsharded run.
     unsharded_parameters_bytes: int = 0
     unsharded_gradients_bytes: int = 0
+    #: Which validation dataloader the batch came from (Lightning's ``dataloader_idx``; ``batch_idx`` counts within
+    #: it); 0 for training rows and with one validation dataloader.
+    dataloader_idx: int = 0
 
     @classmethod
     def columns(cls) -> list[str]:

@@ -10,9 +10,9 @@ import pandas as pd
 from lightning_memtrace.files import MEMTRACE_DIR, PHASES_GLOB, matching_files, rank_of
 from lightning_memtrace.types import BYTE_COLUMNS, PHASE_COLUMNS, PHASE_ORDER
 
-INT_COLUMNS = ["step", "epoch", "batch_idx", "rank", *BYTE_COLUMNS]
+INT_COLUMNS = ["step", "epoch", "batch_idx", "rank", *BYTE_COLUMNS, "dataloader_idx"]
 #: Columns added after the first release, with the value a CSV written before them means.
-LATER_COLUMNS = {"unsharded_parameters_bytes": 0, "unsharded_gradients_bytes": 0}
+LATER_COLUMNS = {"unsharded_parameters_bytes": 0, "unsharded_gradients_bytes": 0, "dataloader_idx": 0}
 
 
 def _phase_files(path: str | os.PathLike) -> list[Path]:

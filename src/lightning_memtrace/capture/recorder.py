@@ -148,7 +148,7 @@ class MemoryRecorder:
         self.categories = parts.categories or CategoryCounter(self.device, model, optimizers)
         self.saved = parts.saved or SavedTensorsRecorder(self.device)
 
-        self.step = self.epoch = self.batch_idx = 0
+        self.step = self.epoch = self.batch_idx = self.dataloader_idx = 0
         #: The training batch between :meth:`begin_batch` and :meth:`end_batch` (a reference, for the post-mortem's
         #: what-if), else None.
         self.batch: Any = None
@@ -279,9 +279,19 @@ class MemoryRecorder:
         self._step_depth[id(optimizer)] = self._step_depth.get(id(optimizer), 0) + 1
 
     # ------------------------------------------------------------------------------------------------ phases
-    def begin_batch(self, batch: Any = None, step: int = 0, epoch: int = 0, batch_idx: int = 0, training: bool = True) -> None:
-        """Take the ``batch_start`` (or ``val_batch_start``) row; in training, start collecting saved activations."""
+    def begin_batch(
+        self,
+        batch: Any = None,
+        step: int = 0,
+        epoch: int = 0,
+        batch_idx: int = 0,
+        training: bool = True,
+        dataloader_idx: int = 0,
+    ) -> None:
+        """Take the ``batch_start`` (or ``val_batch_start``) row; in training, start collecting saved activations.
+        ``dataloader_idx``: the validation dataloader the batch comes from (the rows' ``dataloader_idx``)."""
         self.step, self.epoch, self.batch_idx, self.training = int(step), int(epoch), int(batch_idx), training
+        self.dataloader_idx = int(dataloader_idx)
         self._in_batch = True
         self._forward_marked = not training
         self._stepped_this_batch = False
@@ -435,7 +445,7 @@ class MemoryRecorder:
         self._deliver(self.rows.ready())
 
     def _place(self, phase: Phase, time_s: float) -> RowPlace:
-        return RowPlace(phase, self.step, self.epoch, self.batch_idx, self.rank, time_s, self.run_id)
+        return RowPlace(phase, self.step, self.epoch, self.batch_idx, self.rank, time_s, self.run_id, self.dataloader_idx)
 
     def _where(self) -> tuple[int, int, int, str]:
         return self.step, self.epoch, self.batch_idx, self.stage.value

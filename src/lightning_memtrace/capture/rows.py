@@ -43,6 +43,7 @@ class RowPlace(NamedTuple):
     rank: int
     time_s: float
     run: str
+    dataloader_idx: int = 0
 
 
 _PARAMETERS, _GRADIENTS, _OPTIMIZER_STATE = Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER_STATE
@@ -77,6 +78,7 @@ def make_record(
         run=place.run,
         unsharded_parameters_bytes=totals[_UNSHARDED_PARAMETERS],
         unsharded_gradients_bytes=totals[_UNSHARDED_GRADIENTS],
+        dataloader_idx=place.dataloader_idx,
     )
     return record
 
