@@ -469,9 +469,8 @@ class MemTrace(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
         if self.recorder is not None and not trainer.sanity_checking:
-            self.recorder.begin_batch(
-                batch, trainer.global_step, trainer.current_epoch, batch_idx, training=False, dataloader_idx=dataloader_idx
-            )
+            step, epoch = trainer.global_step, trainer.current_epoch
+            self.recorder.begin_batch(batch, step, epoch, batch_idx, training=False, dataloader_idx=dataloader_idx)
 
     @override
     @_guarded

@@ -445,7 +445,9 @@ class MemoryRecorder:
         self._deliver(self.rows.ready())
 
     def _place(self, phase: Phase, time_s: float) -> RowPlace:
-        return RowPlace(phase, self.step, self.epoch, self.batch_idx, self.rank, time_s, self.run_id, self.dataloader_idx)
+        return RowPlace(
+            phase, self.step, self.epoch, self.batch_idx, self.rank, time_s, self.run_id, self.dataloader_idx
+        )
 
     def _where(self) -> tuple[int, int, int, str]:
         return self.step, self.epoch, self.batch_idx, self.stage.value
