@@ -270,3 +270,36 @@ def test_phases_csv_from_before_dataloader_idx_reads_as_zero(tmp_path):
     path.write_text("".join(line.rsplit(",", 1)[0] + "\n" for line in lines))
     phases = load_phases(path)
     assert len(phases) == 5 and (phases.dataloader_idx == 0).all()
+
+
+def test_a_step_the_grad_scaler_skips_has_no_after_optimizer_step_row(tmp_path):
+    """A GradScaler that finds inf gradients skips ``optimizer.step``, and the step post-hook does not fire: that batch
+    has no ``after_optimizer_step`` row, and its ``batch_end`` row's peak covers the unscaling."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scaler = torch.amp.GradScaler("cpu")
+    with MemoryRecorder(model, [optimizer], output_dir=tmp_path, history=False) as recorder:
+        for step in range(3):
+            x = torch.randn(8, 64)
+            recorder.begin_batch(x, step=step)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(x).float().pow(2).mean() * (float("inf") if step == 1 else 1.0)
+            recorder.mark_forward_done()
+            scaler.scale(loss).backward()
+            recorder.mark_backward_done()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+            recorder.end_batch(next_step=step + 1)
+    assert scaler.get_scale() == 65536.0 / 2  # one step skipped
+    phases = load_phases(tmp_path)
+    assert phases.groupby("step").phase.apply(list).to_dict() == {
+        0: ["batch_start", "after_forward", "after_backward", "after_optimizer_step", "batch_end"],
+        1: ["batch_start", "after_forward", "after_backward", "batch_end"],
+        2: ["batch_start", "after_forward", "after_backward", "after_optimizer_step", "batch_end"],
+    }
+    params = _param_bytes(model)
+    assert (phases[phases.step > 0].optimizer_state_bytes == 2 * params + 2 * 4).all()  # state made at step 0 only
+    skipped_end = phases[(phases.step == 1) & (phases.phase == "batch_end")].iloc[0]
+    assert skipped_end.peak_bytes >= phases[(phases.step == 1) & (phases.phase == "after_backward")].allocated_bytes.iloc[0]
