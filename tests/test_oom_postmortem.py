@@ -252,3 +252,33 @@ def test_a_second_fit_into_the_same_folder_keeps_the_first_fits_files(tmp_path):
         "snapshot_rank0_steps1-1.1.pickle": runs[3],
     }
     assert "step:          1 (epoch 0, batch_idx 1)" in (folder / "oom_rank0_step1.1.txt").read_text()
+
+
+class _OomInSecondValidationLoader(MLP):
+    """Two validation dataloaders; the second one's second batch runs out of memory."""
+
+    def val_dataloader(self):
+        loader = super().val_dataloader()
+        return [loader, loader]
+
+    def validation_step(self, batch, batch_idx, dataloader_idx=0):
+        if (dataloader_idx, batch_idx) == (1, 1):
+            torch.empty(10**15, dtype=torch.uint8)
+        return super().validation_step(batch, batch_idx)
+
+
+def test_oom_in_validation_says_which_dataloader(tmp_path):
+    """``batch_idx`` starts again in each validation dataloader: the post-mortem names the dataloader too."""
+    callback = MemTrace(what_if_budget_s=0)
+    with pytest.raises(RuntimeError, match="can't allocate memory"):
+        trainer(tmp_path, [callback], max_steps=2, limit_val_batches=2, val_check_interval=2).fit(
+            _OomInSecondValidationLoader(batch_size=16)
+        )
+    text = (callback.output_dir / "oom_rank0_step2.txt").read_text()
+    assert "step:          2 (epoch 0, batch_idx 1, dataloader_idx 1)" in text
+    assert "died in:       a validation batch [phase: validation]" in text
+    with open(callback.output_dir / "oom_rank0_step2.pickle", "rb") as handle:
+        post = pickle.load(handle)["memtrace"]["post_mortem"]
+    assert (post["batch_idx"], post["dataloader_idx"], post["stage"]) == (1, 1, "validation")
+    val = load_phases(callback.output_dir).query("phase == 'val_batch_start'")
+    assert list(zip(val.dataloader_idx, val.batch_idx)) == [(0, 0), (0, 1), (1, 0), (1, 1)]

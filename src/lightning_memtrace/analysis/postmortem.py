@@ -44,9 +44,16 @@ class PostMortem:
     #: :meth:`~lightning_memtrace.estimator.budget.BudgetedWhatIf.as_dict`: ``made``, ``text``, ``what_if`` rows,
     #: ``combination``, ``note``...), None where MemTrace made none.
     what_if: dict[str, Any] | None = None
+    #: The validation dataloader of the batch (``batch_idx`` counts within it); 0 in training.
+    dataloader_idx: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _dataloader_text(pm: PostMortem) -> str:
+    # said only where it tells batches apart: with several validation dataloaders, batch_idx starts again in each
+    return f", dataloader_idx {pm.dataloader_idx}" if pm.dataloader_idx else ""
 
 
 def _stage_text(stage: str) -> str:
@@ -129,7 +136,7 @@ def render_post_mortem(pm: PostMortem) -> str:
     lines = [
         f"MemTrace post-mortem: out of memory on {pm.device} (rank {pm.rank})",
         "",
-        f"step:          {pm.step} (epoch {pm.epoch}, batch_idx {pm.batch_idx})",
+        f"step:          {pm.step} (epoch {pm.epoch}, batch_idx {pm.batch_idx}{_dataloader_text(pm)})",
         f"died in:       {_stage_text(pm.stage)} [phase: {pm.stage}]",
         f"requested:     {format_bytes_exact(pm.requested_bytes) if pm.requested_bytes is not None else 'unknown'}",
         f"allocated:     {format_bytes_exact(pm.allocated_bytes)}",

@@ -38,7 +38,7 @@ class OomCapture:
         window: Builds the snapshot and its header.
         classify: Names the live storages now.
         sync: Takes in the allocator's reports so far.
-        where: ``(step, epoch, batch_idx, stage)`` of the recorder now.
+        where: ``(step, epoch, batch_idx, stage, dataloader_idx)`` of the recorder now.
     """
 
     device: torch.device
@@ -48,7 +48,7 @@ class OomCapture:
     window: HistoryWindow
     classify: Callable[[], NamedStorages]
     sync: Callable[[], None]
-    where: Callable[[], tuple[int, int, int, str]]
+    where: Callable[[], tuple[int, int, int, str, int]]
     _state: dict[str, Any] | None = dataclasses.field(default=None, init=False)
     last: PostMortem | None = dataclasses.field(default=None, init=False)
 
@@ -71,7 +71,7 @@ class OomCapture:
             snapshot = self.window.snapshot_now() if self.device.type == "cuda" else None
             largest = largest_blocks_from_snapshot(snapshot) if snapshot else []
         totals[Category.OTHER.value] = max(0, allocated - sum(totals.values()))
-        step, _, _, stage = self.where()
+        step, _, _, stage, _ = self.where()
         self._state = {
             "requested": requested,
             "frames": frames,
@@ -100,7 +100,7 @@ class OomCapture:
         if self._state is None:
             self.capture(requested_bytes_from_message(str(exception)), [])
         state, self._state = self._state or {}, None
-        step, epoch, batch_idx, stage = self.where()
+        step, epoch, batch_idx, stage, dataloader_idx = self.where()
         message = str(exception).strip().splitlines()
         requested = state.get("requested")
         if requested is None:
@@ -121,6 +121,7 @@ class OomCapture:
             largest=list(state.get("largest", [])),
             failing_frames=list(state.get("frames", [])),
             device_free_bytes=state.get("device_free"),
+            dataloader_idx=dataloader_idx,
         ), state.get("snapshot")
 
     def write(

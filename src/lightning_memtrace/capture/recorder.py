@@ -449,8 +449,8 @@ class MemoryRecorder:
             phase, self.step, self.epoch, self.batch_idx, self.rank, time_s, self.run_id, self.dataloader_idx
         )
 
-    def _where(self) -> tuple[int, int, int, str]:
-        return self.step, self.epoch, self.batch_idx, self.stage.value
+    def _where(self) -> tuple[int, int, int, str, int]:
+        return self.step, self.epoch, self.batch_idx, self.stage.value, self.dataloader_idx
 
     def _record(self, phase: Phase) -> PhaseRecord | None:
         tracker = self.tracker
