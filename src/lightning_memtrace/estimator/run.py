@@ -38,6 +38,7 @@ from lightning_memtrace.estimator.grouped_mm import grouped_mm_in_every_dtype
 from lightning_memtrace.estimator.layer_drop import no_layer_dropped
 from lightning_memtrace.estimator.loop import run_steps
 from lightning_memtrace.estimator.result import Estimate
+from lightning_memtrace.estimator.tensor_values import FiniteCheckNeeded, values_answered
 from lightning_memtrace.estimator.sharded import check_world_size, fake_world, shard_like_the_run, sharding_label
 from lightning_memtrace.types import Phase, PhaseRecord
 
@@ -101,7 +102,49 @@ def estimate(
 
     Returns:
         An :class:`Estimate` with the callback's rows for every estimated batch and the closed-form figures.
+
+    A step that reads a floating-point value (``loss.item()`` to log it) gets 0.0, and one that checks for NaN or
+    infinity gets the answer for finite values (:mod:`~lightning_memtrace.estimator.tensor_values`); the estimate
+    names those places (:attr:`Estimate.values_read`). Other reads of values raise ``ValueError``.
     """
+    arguments = dict(
+        optimizer_factory=optimizer_factory,
+        training_step=training_step,
+        precision=precision,
+        accumulate_grad_batches=accumulate_grad_batches,
+        gradient_checkpointing=gradient_checkpointing,
+        device=device,
+        steps=steps,
+        copy_module=copy_module,
+        prefetch=prefetch,
+        world_size=world_size,
+        prepare=prepare,
+    )
+    # Following NaN and infinity checks costs a Python call per op: only for a step that has one (the first run
+    # stops there; a module replaced in place cannot run twice, so it follows them from the start).
+    try:
+        return _estimate(module, batch, finite_checks=not copy_module, **arguments)
+    except FiniteCheckNeeded:
+        return _estimate(module, batch, finite_checks=True, **arguments)
+
+
+def _estimate(
+    module: nn.Module,
+    batch: Any,
+    *,
+    optimizer_factory: Callable[[nn.Module], Any] | None,
+    training_step: Callable[[nn.Module, Any], Any] | None,
+    precision: str | int | Precision,
+    accumulate_grad_batches: int,
+    gradient_checkpointing: bool,
+    device: torch.device | str | None,
+    steps: int,
+    copy_module: bool,
+    prefetch: bool,
+    world_size: int,
+    prepare: Callable[[nn.Module], Any] | None,
+    finite_checks: bool,
+) -> Estimate:
     started = time.perf_counter()
     compiled = is_compiled(module)
     module = uncompiled(module)
@@ -134,6 +177,7 @@ def estimate(
             answered_as_the_batch(batch),
             no_layer_dropped(),
             grouped_mm_in_every_dtype(model),
+            values_answered(mode, finite_checks) as values_read,
         ):
             try:
                 records = run_steps(
@@ -149,6 +193,8 @@ def estimate(
                     training_step,
                     prefetch,
                 )
+            except FiniteCheckNeeded:
+                raise
             except value_dependent_errors() as error:
                 raise ValueError(_needs_values(error, model)) from None
     if emulate_cuda:
@@ -172,6 +218,7 @@ def estimate(
         seconds=time.perf_counter() - started,
         attention=attention_label(attn_implementation(model), kernels, emulate_cuda),
         compiled=compiled,
+        values_read=tuple(values_read.places),
     )
 
 
@@ -218,8 +265,8 @@ def _needs_values(error: Exception, model: nn.Module) -> str:
     text = (
         f"the training step needs tensor values, which an estimate on fake tensors does not have ({error}, at "
         f"{format_frame(user_frame(frames))}): a step whose shapes or branches follow values (boolean-mask "
-        "indexing, nonzero, torch.where with one argument, an if or .item() on a tensor, a loop over the experts a "
-        "batch is routed to) cannot be estimated"
+        "indexing, nonzero, torch.where with one argument, an integer .item(), an if on a tensor other than a NaN or "
+        "infinity check, a loop over the experts a batch is routed to) cannot be estimated"
     )
     if _has_experts(model):
         text += (

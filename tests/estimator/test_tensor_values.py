@@ -1,0 +1,180 @@
+"""Steps that read a tensor value: logging ``loss.item()`` and NaN/infinity guards are estimated, other reads are not.
+
+Before: ``self.log("loss", loss.item())`` or ``if torch.isnan(loss): ...`` in a training step stopped the estimate
+("the training step needs tensor values"), and so ``MemTrace(estimate=True)`` and the post-mortem's what-if measured
+nothing for such a module.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_memtrace import MemTrace
+from lightning_memtrace.estimator import estimate
+from lm_helpers import MLP, trainer
+
+
+def _plain(model, batch):
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)
+
+
+def _logs_item(model, batch):
+    loss = _plain(model, batch)
+    _logs_item.seen.append(loss.item())  # the line named
+    return loss
+
+
+def _math_isnan(model, batch):
+    loss = _plain(model, batch)
+    if math.isnan(loss.item()):
+        return None
+    return loss
+
+
+def _isnan_guard(model, batch):
+    loss = _plain(model, batch)
+    if torch.isnan(loss):  # the line named
+        return None
+    return loss
+
+
+def _isfinite_all(model, batch):
+    loss = _plain(model, batch)
+    if not torch.isfinite(loss).all():
+        return None
+    return loss
+
+
+def _self_compare(model, batch):
+    loss = _plain(model, batch)
+    if loss != loss:
+        return None
+    return loss
+
+
+def _count_of_bad_values(model, batch):
+    out = model(batch[0])
+    bad = (torch.isnan(out) | torch.isinf(out)).sum()
+    if bad.item() > 0:
+        return None
+    return nn.functional.mse_loss(out, batch[1])
+
+
+def _infinity_compare(model, batch):
+    loss = _plain(model, batch)
+    if (loss.abs() == math.inf).any() or not bool(loss < math.inf):
+        return None
+    return loss
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
+
+
+def _estimate(step):
+    batch = (torch.randn(8, 32), torch.randn(8, 1))
+    return estimate(_model(), batch, training_step=step, device="cpu")
+
+
+def _line_of(function, text: str) -> int:
+    lines, first = inspect.getsourcelines(function)
+    return first + next(i for i, line in enumerate(lines) if text in line)
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return _estimate(_plain)
+
+
+@pytest.mark.parametrize(
+    "step",
+    [_logs_item, _math_isnan, _isnan_guard, _isfinite_all, _self_compare, _count_of_bad_values, _infinity_compare],
+)
+def test_value_reads_a_run_takes_the_usual_path_on_are_estimated_as_without_them(step, plain):
+    _logs_item.seen = []
+    result = _estimate(step)
+    # the same rows to the byte as the step without the read, except the read's own one-element tensors
+    assert [r.phase for r in result.records] == [r.phase for r in plain.records]
+    for read, base in zip(result.records, plain.records):
+        for category in ("parameters", "gradients", "optimizer_state", "inputs", "activations"):
+            assert getattr(read, f"{category}_bytes") == getattr(base, f"{category}_bytes")
+        assert 0 <= read.peak_bytes - base.peak_bytes <= 64 and 0 <= read.allocated_bytes - base.allocated_bytes <= 64
+    assert result.values_read and all(__file__ in place for place in result.values_read)
+    assert "tensor values read answered as for finite values" in result.describe()
+    assert result.as_dict()["values_read"] == list(result.values_read)
+
+
+def test_the_places_read_are_named(plain):
+    _logs_item.seen = []
+    result = _estimate(_logs_item)
+    assert result.values_read == (f"{__file__}:{_line_of(_logs_item, 'the line named')} in _logs_item",)
+    assert len(_logs_item.seen) >= 2 and set(_logs_item.seen) == {0.0}  # one read a step, answered 0.0
+    guarded = _estimate(_isnan_guard)
+    assert guarded.values_read == (f"{__file__}:{_line_of(_isnan_guard, 'the line named')} in _isnan_guard",)
+    assert plain.values_read == () and "tensor values" not in plain.describe()
+
+
+def _threshold(model, batch):
+    loss = _plain(model, batch)
+    if loss > 1.0:  # a value the memory would follow: not answered
+        return loss * 2
+    return loss
+
+
+def _size_from_value(model, batch):
+    out = model(batch[0])
+    n = int((out > 0).sum().item())
+    return out.sum() + torch.zeros(n).sum()
+
+
+@pytest.mark.parametrize("step", [_threshold, _size_from_value])
+def test_other_reads_still_stop_the_estimate_in_one_line(step):
+    with pytest.raises(ValueError) as raised:
+        _estimate(step)
+    message = str(raised.value)
+    assert message.startswith("the training step needs tensor values") and "\n" not in message
+    assert f"{__file__}:" in message and f"in {step.__name__}" in message
+
+
+def test_other_fake_modes_keep_torchs_answer():
+    """Only the estimate's fake mode answers reads: one of torch.compile's (or a user's) still raises."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+
+    _estimate(_logs_item)  # the answering is installed
+    with FakeTensorMode() as mode:
+        value = mode.from_tensor(torch.randn(3)).sum()
+        with pytest.raises(DataDependentOutputException):
+            value.item()
+        with pytest.raises(DataDependentOutputException):
+            bool(torch.isnan(value))
+
+
+class _LogsItem(MLP):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss.item())
+        if torch.isnan(loss):
+            raise RuntimeError("nan loss")
+        return loss
+
+
+def test_the_callbacks_estimate_of_a_module_that_logs_item_matches_the_run(tmp_path):
+    callback = MemTrace(estimate=True, report=False, what_if_budget_s=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(tmp_path, [callback], max_steps=3).fit(_LogsItem())
+    assert not [w for w in caught if "could not estimate" in str(w.message)]
+    assert callback.estimated is not None and len(callback.estimated.values_read) == 2
+    comparison = callback.estimate_comparison
+    peak = comparison[comparison.category == "peak"].iloc[0]
+    assert abs(peak.error_percent) < 0.1
+    exact = comparison[comparison.category.isin(["parameters", "gradients", "optimizer_state", "activations"])]
+    assert (exact.error_bytes == 0).all()
