@@ -178,3 +178,32 @@ def test_the_callbacks_estimate_of_a_module_that_logs_item_matches_the_run(tmp_p
     assert abs(peak.error_percent) < 0.1
     exact = comparison[comparison.category.isin(["parameters", "gradients", "optimizer_state", "activations"])]
     assert (exact.error_bytes == 0).all()
+
+
+class _VAE(MLP):
+    """A variational autoencoder: ``torch.distributions.Normal`` validates its scale (``scale > 0``, all true)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Linear(32, 16)
+        self.decoder = nn.Linear(8, 32)
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        mu, log_var = self.encoder(x).chunk(2, dim=-1)
+        posterior = torch.distributions.Normal(mu, torch.exp(0.5 * log_var))
+        prior = torch.distributions.Normal(torch.zeros_like(mu), torch.ones_like(mu))
+        kl = torch.distributions.kl_divergence(posterior, prior).sum(-1).mean()
+        return nn.functional.mse_loss(self.decoder(posterior.rsample()), x) + kl
+
+
+def test_a_distributions_argument_validation_is_answered_as_passing(tmp_path):
+    from estimate_checks import check_against_real, real_run
+    from lightning_memtrace.estimator import estimate_for_module
+
+    assert torch.distributions.Distribution._validate_args  # validation is on, as by default
+    torch.manual_seed(0)
+    module = _VAE()
+    result = estimate_for_module(module, next(iter(module.train_dataloader())), steps=3)
+    assert result.values_read and all("in training_step" in place for place in result.values_read)
+    check_against_real(result, real_run(tmp_path, _VAE()))

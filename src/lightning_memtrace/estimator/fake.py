@@ -136,7 +136,38 @@ def _fake_tensors(
     for buffer in module.buffers():
         if id(buffer) not in memo:
             memo[id(buffer)] = _fake_tensor(buffer, mode, device, cast(buffer))
+    for tensor in _attribute_tensors(module):
+        if id(tensor) not in memo:
+            memo[id(tensor)] = _fake_tensor(tensor, mode, device).requires_grad_(tensor.requires_grad)
     return memo
+
+
+#: Module attributes that hold no tensors of the module's own (or are handled apart: parameters, buffers, gradients).
+_NOT_STATE = frozenset({"_parameters", "_buffers", "_modules", "_trainer", "_fabric"})
+
+
+def _attribute_tensors(module: nn.Module) -> Iterator[Tensor]:
+    """Tensors a module keeps as plain attributes, also in dicts, lists and tuples: torchmetrics' metric states and
+    their defaults, a mask cached as ``self.mask = ...`` rather than a buffer.
+
+    Copied as real tensors they would meet fake ones in the step (which fake tensors refuse), and take real memory.
+    """
+
+    def walk(value: Any, depth: int) -> Iterator[Tensor]:
+        if isinstance(value, Tensor):
+            if not isinstance(value, nn.Parameter) and value.layout == torch.strided:
+                yield value
+        elif depth < 3 and isinstance(value, (list, tuple)):
+            for item in value:
+                yield from walk(item, depth + 1)
+        elif depth < 3 and isinstance(value, dict):
+            for item in value.values():
+                yield from walk(item, depth + 1)
+
+    for sub in module.modules():
+        for name, value in sub.__dict__.items():
+            if name not in _NOT_STATE:
+                yield from walk(value, 0)
 
 
 def _replace_in_place(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
@@ -147,16 +178,35 @@ def _replace_in_place(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
         for name, value in list(sub._buffers.items()):
             if value is not None:
                 sub._buffers[name] = memo[id(value)]
+        for name, value in list(sub.__dict__.items()):
+            if name not in _NOT_STATE:
+                sub.__dict__[name] = _with_fakes(value, memo, 0)
     return module
 
 
+def _with_fakes(value: Any, memo: dict[int, Any], depth: int) -> Any:
+    """``value`` with the tensors of ``memo`` replaced (lists and dicts changed in place, tuples rebuilt)."""
+    if isinstance(value, Tensor):
+        return memo.get(id(value), value)
+    if depth < 3 and isinstance(value, list):
+        value[:] = [_with_fakes(item, memo, depth + 1) for item in value]
+    elif depth < 3 and isinstance(value, dict):
+        for key, item in list(value.items()):
+            value[key] = _with_fakes(item, memo, depth + 1)
+    elif depth < 3 and type(value) is tuple:
+        return tuple(_with_fakes(item, memo, depth + 1) for item in value)
+    return value
+
+
 def _deep_copy(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
-    """A deep copy with the fake tensors of ``memo``; the trainer, fabric and real gradients are left out."""
-    trainer = getattr(module, "_trainer", None)
-    if trainer is not None:
-        memo[id(trainer)] = None
+    """A deep copy with the fake tensors of ``memo``; fabric and real gradients are left out.
+
+    A LightningModule's copy keeps its Trainer, not copied, as steps read it (``self.trainer.global_step``,
+    ``estimated_stepping_batches`` for a scheduler in ``configure_optimizers``), but logs nothing
+    (:func:`_logs_nothing`): its fake values must not reach the real run's logged results.
+    """
     for sub in module.modules():
-        for name in ("_fabric", "_trainer"):
+        for name in ("_fabric", "_trainer"):  # a LightningModule pickles without its Trainer: put back below
             value = sub.__dict__.get(name)
             if value is not None:
                 memo[id(value)] = None
@@ -164,17 +214,35 @@ def _deep_copy(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
             if param is not None and param.grad is not None:
                 memo[id(param.grad)] = None
     try:
-        return _eager(copy.deepcopy(module, memo))
+        copied = copy.deepcopy(module, memo)
     except Exception as error:
         raise ValueError(
             f"cannot copy {type(module).__name__} onto fake tensors: {type(error).__name__}: {error}"
         ) from error
+    _attached_without_logging(module, copied)
+    return _eager(copied)
+
+
+def _attached_without_logging(module: nn.Module, copied: nn.Module) -> None:
+    """Each LightningModule of the copy attached to its original's Trainer, with ``log`` and ``log_dict`` that do
+    nothing."""
+    from lightning.pytorch import LightningModule
+
+    for original, sub in zip(module.modules(), copied.modules()):
+        if isinstance(sub, LightningModule):
+            sub.__dict__["_trainer"] = original.__dict__.get("_trainer")
+            sub.log = sub.log_dict = _no_logging  # type: ignore[method-assign]
+
+
+def _no_logging(*args: Any, **kwargs: Any) -> None:
+    return None
 
 
 def fake_copy(
     module: nn.Module, mode: Any, device: torch.device, param_dtype: torch.dtype | None, in_place: bool
 ) -> nn.Module:
-    """The module with every parameter and buffer replaced by a fake tensor (tied tensors stay tied)."""
+    """The module with every parameter, buffer and tensor attribute (:func:`_attribute_tensors`) replaced by a fake
+    tensor (tied tensors stay tied)."""
     memo = _fake_tensors(module, mode, device, param_dtype)
     if in_place:
         return _replace_in_place(module, memo)

@@ -7,7 +7,9 @@ common in training steps and change no memory, so the estimate answers them as a
   Nothing here says what the number is; only what follows it would, and a float rarely sets a shape.
 - **a check for NaN or infinity** (``if torch.isnan(loss)``, ``if not torch.isfinite(loss).all()``,
   ``loss != loss``, a count of the non-finite values): answered as for finite values, the run's usual path. Such
-  answers need the computation behind the value, which :class:`FiniteValuesMode` follows (a Python call per op);
+  answers need the computation behind the value, which :class:`FiniteValuesMode` follows (a Python call per op).
+  Argument validation (``torch._is_all_true``: ``torch.distributions``' checks of a distribution's parameters and
+  samples) is answered as passing, as in a run that goes on;
   the estimate runs it only after a first run met a read of a bool or an integer (:class:`FiniteCheckNeeded`).
 
 Any other read (an integer: a size, an index, a count; a bool of a mask; a value of the batch) still stops the
@@ -117,6 +119,8 @@ _ALWAYS = {
     aten.isposinf.default: False,
     aten.isneginf.default: False,
     aten.isfinite.default: True,
+    # torch's argument validation (torch.distributions' constraints): a run that goes on passed it
+    aten._is_all_true.default: True,
 }
 _SAME_VALUE_OPS = {
     aten.alias.default,

@@ -1,0 +1,139 @@
+"""Tensors a module keeps as plain attributes (torchmetrics' states, a cached mask) are copied onto fake tensors too.
+
+Before: the estimate copied parameters and buffers only, so a LightningModule that updates a torchmetrics metric in
+``training_step`` (as Lightning's documentation shows) stopped with "Please convert all Tensors to FakeTensors first",
+and ``MemTrace(estimate=True)`` measured without an estimate.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+import torchmetrics
+from torch import nn
+
+from lightning_memtrace import MemTrace
+from lightning_memtrace.estimator import estimate
+from lightning_memtrace.estimator.fake import fake_copy, fake_mode, is_fake
+from lm_helpers import MLP, trainer
+
+
+class _WithAccuracy(MLP):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net[-1] = nn.Linear(128, 4)
+        self.accuracy = torchmetrics.Accuracy(task="multiclass", num_classes=4)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        target = (y.squeeze(-1) > 0).long()
+        logits = self(x)
+        self.accuracy(logits, target)
+        self.log("train_acc", self.accuracy)
+        return nn.functional.cross_entropy(logits, target)
+
+
+def test_a_module_updating_a_torchmetrics_metric_is_estimated_as_it_runs(tmp_path):
+    callback = MemTrace(estimate=True, report=False, what_if_budget_s=0)
+    module = _WithAccuracy()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(tmp_path, [callback], max_steps=3).fit(module)
+    assert not [w for w in caught if "could not estimate" in str(w.message)]
+    comparison = callback.estimate_comparison
+    assert comparison is not None
+    exact = comparison[comparison.category.isin(["parameters", "gradients", "optimizer_state", "activations"])]
+    assert (exact.error_bytes == 0).all()
+    assert abs(comparison[comparison.category == "peak"].iloc[0].error_percent) < 0.1
+    # the real metric kept its real states and defaults
+    assert not any(is_fake(t) for t in (module.accuracy.tp, *module.accuracy._defaults.values()))
+
+
+class _CachedMask(nn.Module):
+    """A causal mask kept as a plain attribute (not a buffer), with a list and a dict of tensors beside it."""
+
+    def __init__(self, length: int = 16) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.mask = torch.tril(torch.ones(length, length, dtype=torch.bool))
+        self.history = [torch.zeros(4)]
+        self.defaults = {"scale": torch.ones(())}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = self.linear(x) @ self.linear(x).transpose(-1, -2)
+        return scores.masked_fill(~self.mask, 0.0).sum() * self.defaults["scale"] + self.history[0].sum()
+
+
+def test_plain_attribute_tensors_become_fake_in_the_copy_and_stay_real_in_the_module():
+    module = _CachedMask()
+    result = estimate(module, torch.randn(2, 16, 8), training_step=lambda m, b: m(b), device="cpu")
+    assert result.peak_bytes > 0
+    assert not is_fake(module.mask) and module.mask.dtype == torch.bool  # the user's module is unchanged
+    copy = fake_copy(module, fake_mode(), torch.device("cpu"), None, in_place=False)
+    assert is_fake(copy.mask) and copy.mask.shape == (16, 16) and copy.mask.dtype == torch.bool
+    assert is_fake(copy.history[0]) and is_fake(copy.defaults["scale"])
+
+
+def test_in_place_copies_replace_attribute_tensors_too():
+    module = _CachedMask()
+    history = module.history
+    fake_copy(module, fake_mode(), torch.device("cpu"), torch.bfloat16, in_place=True)
+    assert is_fake(module.mask) and module.mask.dtype == torch.bool  # not cast: not a parameter or buffer
+    assert module.history is history and is_fake(history[0]) and is_fake(module.defaults["scale"])
+    assert module.linear.weight.dtype == torch.bfloat16
+
+
+class _ReadsItsTrainer(MLP):
+    """A scheduler sized by ``self.trainer.estimated_stepping_batches``, and a step that reads the Trainer and logs."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        scheduler = self.lr_schedulers()
+        self.log("lr", scheduler.get_last_lr()[0])
+        self.log_dict({"step_seen": float(self.trainer.global_step), "loss": loss})
+        return loss
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-3)
+        total = self.trainer.estimated_stepping_batches
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-2, total_steps=total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _fit_logging(tmp_path, estimate_run: bool):
+    from lightning.pytorch.loggers import CSVLogger
+
+    callback = MemTrace(estimate=estimate_run, report=False, history=False, what_if_budget_s=0)
+    logger = CSVLogger(tmp_path, name="logs")
+    torch.manual_seed(0)
+    module = _ReadsItsTrainer()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(tmp_path, [callback], max_steps=4, logger=logger, log_every_n_steps=1).fit(module)
+    said = [str(w.message) for w in caught if "could not estimate" in str(w.message)]
+    rows = (Path(logger.log_dir) / "metrics.csv").read_text().splitlines()
+    return callback, said, rows
+
+
+def test_a_module_that_reads_its_trainer_is_estimated_and_logs_only_what_it_logs_without_the_estimate(tmp_path):
+    """The copy is attached to the real Trainer (reads of it see the real run), and its ``self.log`` does nothing:
+    the run's logged metrics are those of the same fit without the estimate."""
+    callback, said, rows = _fit_logging(tmp_path / "with", estimate_run=True)
+    assert said == [] and callback.estimated
+    comparison = callback.estimate_comparison
+    exact = comparison[comparison.category.isin(["parameters", "gradients", "optimizer_state", "activations"])]
+    assert (exact.error_bytes == 0).all()
+    _, _, rows_without = _fit_logging(tmp_path / "without", estimate_run=False)
+
+    def logged_by_the_module(lines):
+        header = lines[0].split(",")
+        assert {"lr", "step_seen", "loss"} <= set(header)
+        cells = [dict(zip(header, line.split(","))) for line in lines[1:]]
+        # the estimate's own row (memtrace/estimate/*, once) aside, each row as the module logged it
+        return [(c["step"], c["lr"], c["step_seen"], c["loss"]) for c in cells if c["lr"]]
+
+    logged = logged_by_the_module(rows)
+    assert len(logged) == 4 and [step for step, *_ in logged] == ["0", "1", "2", "3"]
+    assert logged == logged_by_the_module(rows_without)
