@@ -17,6 +17,7 @@ from torch import nn
 from lightning_memtrace import MemTrace
 from lightning_memtrace.estimator import estimate
 from lightning_memtrace.estimator.fake import fake_copy, fake_mode, is_fake
+from estimate_checks import MLP_PARAM_BYTES
 from lm_helpers import MLP, trainer
 
 
@@ -137,3 +138,20 @@ def test_a_module_that_reads_its_trainer_is_estimated_and_logs_only_what_it_logs
     logged = logged_by_the_module(rows)
     assert len(logged) == 4 and [step for step, *_ in logged] == ["0", "1", "2", "3"]
     assert logged == logged_by_the_module(rows_without)
+
+
+class _OptimizesTrainerModel(MLP):
+    def configure_optimizers(self):  # as Lightning's FSDP documentation writes it
+        return torch.optim.AdamW(self.trainer.model.parameters(), lr=1e-3)
+
+
+def test_an_optimizer_built_on_the_trainers_model_is_estimated_on_the_copy(tmp_path):
+    """The copy's Trainer gives the real run's parameters: the estimate's optimizer holds the copy's instead (without
+    that, it would skip every parameter, having no gradients for them, and estimate no optimizer state)."""
+    callback = MemTrace(estimate=True, report=False, history=False, what_if_budget_s=0)
+    trainer(tmp_path, [callback], max_steps=3).fit(_OptimizesTrainerModel())
+    comparison = callback.estimate_comparison.set_index("category")
+    adamw = 2 * MLP_PARAM_BYTES + 4 * 6  # exp_avg, exp_avg_sq, a float32 step per parameter tensor
+    assert comparison.loc["optimizer_state", "estimated_bytes"] == adamw
+    for category in ("parameters", "gradients", "optimizer_state", "activations"):
+        assert comparison.loc[category, "error_bytes"] == 0, category

@@ -28,6 +28,7 @@ from lightning_memtrace.estimator.fake import (
     fake_copy,
     fake_mode,
     is_compiled,
+    is_fake,
     meta_failures_unlogged,
     outer_modes_paused,
     uncompiled,
@@ -170,7 +171,7 @@ def _estimate(
         if gradient_checkpointing:
             _enable_gradient_checkpointing(model)
         blocks = shard_like_the_run(model, mesh) if mesh is not None else 0
-        optimizer = _build_optimizer(model, mode, target, optimizer_factory, lightning)
+        optimizer = _build_optimizer(model, module, mode, target, optimizer_factory, lightning)
         prefetch = prefetch and not emulate_cuda and fake_device.type == "cpu"
         with (
             sdpa_watched(cuda_stand_in=emulate_cuda) as kernels,
@@ -374,14 +375,30 @@ def _first_optimizer(configured: Any) -> torch.optim.Optimizer:
     raise ValueError(f"no optimizer in what configure_optimizers returned ({type(configured).__name__})")
 
 
+def _on_the_copy(optimizer: torch.optim.Optimizer, original: nn.Module, model: nn.Module) -> None:
+    """The optimizer's parameters that are the original module's (built from ``self.trainer.model.parameters()``,
+    as Lightning's FSDP documentation writes it, which the copy's Trainer gives) replaced by the copy's."""
+    if all(is_fake(param) for group in optimizer.param_groups for param in group["params"]):
+        return
+    fake_of = {id(real): fake for real, fake in zip(original.parameters(), model.parameters())}
+    for group in optimizer.param_groups:
+        group["params"] = [fake_of.get(id(param), param) for param in group["params"]]
+        if not all(is_fake(param) for param in group["params"]):
+            raise ValueError(
+                f"configure_optimizers gave {type(optimizer).__name__} parameters that are not the module's own"
+            )
+
+
 def _build_optimizer(
     model: nn.Module,
+    original: nn.Module,
     mode: Any,
     target: torch.device,
     optimizer_factory: Callable[[nn.Module], Any] | None,
     lightning: bool,
 ) -> torch.optim.Optimizer:
-    """The optimizer on the fake parameters: the factory's, the LightningModule's, or AdamW(lr=1e-3)."""
+    """The optimizer on the fake parameters: the factory's, the LightningModule's, or AdamW(lr=1e-3); ``original``:
+    the module ``model`` was copied from."""
     with mode:
         if optimizer_factory is not None:
             optimizer = _first_optimizer(optimizer_factory(model))
@@ -389,6 +406,7 @@ def _build_optimizer(
             optimizer = _first_optimizer(model.configure_optimizers())
         else:
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _on_the_copy(optimizer, original, model)
     if target.type == "cuda":
         # torch picks foreach kernels for plain CUDA tensors only; fake tensors would get the single-tensor path.
         _use_cuda_defaults(optimizer)
