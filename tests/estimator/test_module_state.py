@@ -155,3 +155,33 @@ def test_an_optimizer_built_on_the_trainers_model_is_estimated_on_the_copy(tmp_p
     assert comparison.loc["optimizer_state", "estimated_bytes"] == adamw
     for category in ("parameters", "gradients", "optimizer_state", "activations"):
         assert comparison.loc[category, "error_bytes"] == 0, category
+
+
+class _WritesToItsLoggers(MLP):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        for logger in self.loggers:  # straight to the loggers, around self.log
+            logger.log_metrics({"probe": loss.item() + 1.0}, step=self.global_step)
+        return loss
+
+
+def test_the_copys_trainer_has_no_loggers_and_takes_no_settings(tmp_path):
+    """The estimate's step must not write into the run's loggers (its values are not the run's) nor change the run."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_memtrace.estimator.fake import TrainerView
+
+    callback = MemTrace(estimate=True, report=False, history=False, what_if_budget_s=0)
+    logger = CSVLogger(tmp_path, name="logs")
+    fit = trainer(tmp_path, [callback], max_steps=3, logger=logger, log_every_n_steps=1)
+    fit.fit(_WritesToItsLoggers())
+    assert callback.estimated  # the step ran in the estimate, which saw no loggers
+    lines = (Path(logger.log_dir) / "metrics.csv").read_text().splitlines()
+    column = lines[0].split(",").index("probe")
+    probes = [float(cells[column]) for cells in (line.split(",") for line in lines[1:]) if cells[column]]
+    assert len(probes) == 3 and 1.0 not in probes  # the real steps' losses only: none of the estimate's 0.0 + 1.0
+
+    view = TrainerView(fit)
+    assert view.global_step == fit.global_step == 3 and view.loggers == [] and view.logger is None
+    view.should_stop = True
+    assert fit.should_stop is False  # the copy's setting went nowhere

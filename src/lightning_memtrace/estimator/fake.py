@@ -201,9 +201,9 @@ def _with_fakes(value: Any, memo: dict[int, Any], depth: int) -> Any:
 def _deep_copy(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
     """A deep copy with the fake tensors of ``memo``; fabric and real gradients are left out.
 
-    A LightningModule's copy keeps its Trainer, not copied, as steps read it (``self.trainer.global_step``,
-    ``estimated_stepping_batches`` for a scheduler in ``configure_optimizers``), but logs nothing
-    (:func:`_logs_nothing`): its fake values must not reach the real run's logged results.
+    A LightningModule's copy is attached to a view of its Trainer (:class:`TrainerView`), as steps read it
+    (``self.trainer.global_step``, ``estimated_stepping_batches`` for a scheduler in ``configure_optimizers``), and
+    logs nothing: its fake values must not reach the real run's logged results.
     """
     for sub in module.modules():
         for name in ("_fabric", "_trainer"):  # a LightningModule pickles without its Trainer: put back below
@@ -224,14 +224,39 @@ def _deep_copy(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
 
 
 def _attached_without_logging(module: nn.Module, copied: nn.Module) -> None:
-    """Each LightningModule of the copy attached to its original's Trainer, with ``log`` and ``log_dict`` that do
-    nothing."""
+    """Each LightningModule of the copy attached to a view of its original's Trainer (:class:`TrainerView`), with
+    ``log`` and ``log_dict`` that do nothing."""
     from lightning.pytorch import LightningModule
 
     for original, sub in zip(module.modules(), copied.modules()):
         if isinstance(sub, LightningModule):
-            sub.__dict__["_trainer"] = original.__dict__.get("_trainer")
+            trainer = original.__dict__.get("_trainer")
+            sub.__dict__["_trainer"] = TrainerView(trainer) if trainer is not None else None
             sub.log = sub.log_dict = _no_logging  # type: ignore[method-assign]
+
+
+class TrainerView:
+    """The run's Trainer as the estimate's copy of the module sees it: what it reads is the run's (``global_step``,
+    ``estimated_stepping_batches``, ``lr_scheduler_configs``...), but it has no loggers (a step's
+    ``self.logger.experiment.add_scalar(...)`` must not write the estimate's values into the run's logs) and what the
+    copy sets on it (``self.trainer.should_stop = True``) is dropped: the estimate changes nothing in the run."""
+
+    def __init__(self, trainer: Any) -> None:
+        object.__setattr__(self, "_viewed", trainer)
+
+    @property
+    def logger(self) -> None:
+        return None
+
+    @property
+    def loggers(self) -> list[Any]:
+        return []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(object.__getattribute__(self, "_viewed"), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        return None
 
 
 def _no_logging(*args: Any, **kwargs: Any) -> None:
