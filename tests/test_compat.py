@@ -133,7 +133,7 @@ def test_sigkill_mid_run_leaves_whole_files(tmp_path):
     phases = load_phases(tmp_path)
     # one write() per whole line: no half line, every row that was written is read back
     assert text.endswith("\n")
-    assert all(line.count(",") == 17 for line in lines)  # 18 columns, the two unsharded ones last
+    assert all(line.count(",") == 18 for line in lines)  # 19 columns: the two unsharded ones, then dataloader_idx
     assert len(phases) == len(lines) - 1 >= 100
     for pickle_path in tmp_path.glob("*.pickle"):  # a snapshot is either absent or whole
         with open(pickle_path, "rb") as handle:

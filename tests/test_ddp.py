@@ -65,7 +65,7 @@ def test_ddp_one_rank_out_of_memory(tmp_path):
     # the other rank's files are whole: every line of its CSV parses, no temporary file is left
     for rank in (0, 1):
         lines = (folder / f"phases_rank{rank}.csv").read_text().splitlines()
-        assert all(line.count(",") == 17 for line in lines)  # 18 columns, the two unsharded ones last
+        assert all(line.count(",") == 18 for line in lines)  # 19 columns: the two unsharded ones, then dataloader_idx
     assert not list(folder.glob(".*.tmp"))
     phases = load_phases(folder)
     assert set(phases[phases["rank"] == 1].step) == {0, 1}
