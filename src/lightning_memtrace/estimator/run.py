@@ -378,15 +378,20 @@ def _first_optimizer(configured: Any) -> torch.optim.Optimizer:
 def _on_the_copy(optimizer: torch.optim.Optimizer, original: nn.Module, model: nn.Module) -> None:
     """The optimizer's parameters that are the original module's (built from ``self.trainer.model.parameters()``,
     as Lightning's FSDP documentation writes it, which the copy's Trainer gives) replaced by the copy's."""
-    if all(is_fake(param) for group in optimizer.param_groups for param in group["params"]):
+    if all(_is_fake_parameter(param) for group in optimizer.param_groups for param in group["params"]):
         return
     fake_of = {id(real): fake for real, fake in zip(original.parameters(), model.parameters())}
     for group in optimizer.param_groups:
         group["params"] = [fake_of.get(id(param), param) for param in group["params"]]
-        if not all(is_fake(param) for param in group["params"]):
+        if not all(_is_fake_parameter(param) for param in group["params"]):
             raise ValueError(
                 f"configure_optimizers gave {type(optimizer).__name__} parameters that are not the module's own"
             )
+
+
+def _is_fake_parameter(param: Tensor) -> bool:
+    """A fake tensor, or a sharded parameter (DTensor) whose local shard is one."""
+    return is_fake(param) or is_fake(getattr(param, "_local_tensor", None))
 
 
 def _build_optimizer(
