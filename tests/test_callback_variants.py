@@ -303,3 +303,41 @@ def test_a_step_the_grad_scaler_skips_has_no_after_optimizer_step_row(tmp_path):
     assert (phases[phases.step > 0].optimizer_state_bytes == 2 * params + 2 * 4).all()  # state made at step 0 only
     skipped_end = phases[(phases.step == 1) & (phases.phase == "batch_end")].iloc[0]
     assert skipped_end.peak_bytes >= phases[(phases.step == 1) & (phases.phase == "after_backward")].allocated_bytes.iloc[0]
+
+
+class _WithBufferAndCache(MLP):
+    """A 4 MiB buffer and a 1 MiB tensor kept as a plain attribute, both made before MemTrace starts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.zeros(1024, 1024))
+        self.cache = {"mask": torch.ones(1024, 256)}
+
+
+@pytest.mark.parametrize("allocation_backend", ["auto", "dispatch"])
+def test_buffers_and_attribute_tensors_count_as_allocated_from_the_start(tmp_path, allocation_backend):
+    """A CUDA allocator's counters include the module's buffers and other tensors; the CPU tracker counts them too
+    (as ``other``), though they were made before it started."""
+    module = _WithBufferAndCache()
+    callback = MemTrace(dirpath=tmp_path / "mt", history=False, report=False, allocation_backend=allocation_backend)
+    trainer(tmp_path, [callback], max_steps=2).fit(module)
+    phases = load_phases(tmp_path / "mt")
+    held = 4 * 1024**2 + 1024**2
+    start = phases[phases.phase == "batch_start"].iloc[0]
+    params = _param_bytes(module)
+    assert start.parameters_bytes == params and start.other_bytes == held
+    assert start.allocated_bytes == params + held + start.inputs_bytes
+    assert (phases.other_bytes >= held).all()
+
+
+def test_the_estimate_counts_buffers_and_attribute_tensors_as_the_run_does(tmp_path):
+    from lightning_memtrace.estimator import compare_estimate, estimate_for_module
+
+    module = _WithBufferAndCache()
+    callback = MemTrace(dirpath=tmp_path / "mt", history=False, report=False)
+    trainer(tmp_path, [callback], max_steps=3).fit(module)
+    estimated = estimate_for_module(module, next(iter(module.train_dataloader())), steps=3)
+    comparison = compare_estimate(estimated, load_phases(tmp_path / "mt")).set_index("category")
+    assert comparison.loc["other", "estimated_bytes"] >= 5 * 1024**2
+    assert abs(comparison.loc["other", "error_bytes"]) <= 64
+    assert abs(comparison.loc["peak", "error_percent"]) < 0.1

@@ -77,7 +77,8 @@ class MemTrace(Callback):
     - ``step``: the global step when the batch started (every row of a batch carries it)
     - ``epoch``, ``batch_idx``, ``rank``, ``phase``
     - ``time_s``: Unix time, seconds
-    - ``allocated_bytes``: bytes allocated on the device (CUDA: ``memory_allocated``; elsewhere: the tracker)
+    - ``allocated_bytes``: bytes allocated on the device (CUDA: ``memory_allocated``; elsewhere: the tracker, which
+      counts what the module held before it started too: parameters, buffers, tensors kept as attributes)
     - ``reserved_bytes``: bytes reserved by the caching allocator (equal to allocated without one)
     - ``peak_bytes``: highest allocated bytes since the previous row
     - ``parameters_bytes``: distinct storages of the model's parameters (tied weights once)

@@ -23,6 +23,7 @@ The recorder is a state machine over the phases of a step (:mod:`lightning_memtr
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import re
 import secrets
@@ -48,6 +49,7 @@ from lightning_memtrace.capture.oom_errors import is_out_of_memory
 from lightning_memtrace.capture.outputs import RecorderFiles
 from lightning_memtrace.capture.reports_backend import unavailable_reason
 from lightning_memtrace.capture.rows import RowPlace, RowReader
+from lightning_memtrace.capture.storages import attribute_tensors
 from lightning_memtrace.capture.tracker import AllocationTracker, RowMark
 from lightning_memtrace.capture.window import HistoryWindow
 from lightning_memtrace.schema import format_tag
@@ -217,12 +219,22 @@ class MemoryRecorder:
                 )
         for optimizer in self.categories.optimizers:
             self._hook_optimizer(optimizer)
+        self._adopt_module_state()
         if self.config.post_mortem and self.device.type == "cuda":
             cuda_history.add_cuda_oom_listener(self.oom)
         self.rows.classify()
         if self.counters is not None:
             self.counters.read()
         return self
+
+    def _adopt_module_state(self) -> None:
+        # Buffers (BatchNorm's statistics, a rotary table, a frozen embedding kept as a buffer) and tensors kept as
+        # plain attributes, made before the tracker started: device memory a CUDA allocator's counters include, so
+        # the tracker counts them from the start too (category "other"). Parameters are counted as they are named.
+        if self.tracker is None or self.model is None:
+            return
+        for tensor in itertools.chain(self.model.buffers(), attribute_tensors(self.model)):
+            self.tracker.adopt(tensor)
 
     def stop(self) -> None:
         """Write the open history window, remove every hook and leave the dispatch mode. Safe to call twice."""

@@ -69,6 +69,38 @@ def memory_tensors(tensors: Iterable[Tensor]) -> Iterator[Tensor]:
             yield from inner
 
 
+#: Module attributes that hold no tensors of the module's own state beside its buffers (parameters, buffers and
+#: submodules are found apart; a LightningModule's Trainer or Fabric is not the module's).
+_NOT_STATE = frozenset({"_parameters", "_buffers", "_modules", "_trainer", "_fabric"})
+
+
+def attribute_tensors(module: torch.nn.Module) -> Iterator[Tensor]:
+    """Tensors the module's submodules keep as plain attributes, also in dicts, lists and tuples (three deep):
+    torchmetrics' metric states and their defaults, a mask cached as ``self.mask = ...`` rather than a buffer.
+    Parameters are left out."""
+
+    def walk(value: Any, depth: int) -> Iterator[Tensor]:
+        if isinstance(value, Tensor):
+            if not isinstance(value, torch.nn.Parameter) and value.layout == torch.strided:
+                yield value
+        elif depth < 3 and isinstance(value, (list, tuple)):
+            for item in value:
+                yield from walk(item, depth + 1)
+        elif depth < 3 and isinstance(value, dict):
+            for item in value.values():
+                yield from walk(item, depth + 1)
+
+    for sub in module.modules():
+        for name, value in sub.__dict__.items():
+            if name not in _NOT_STATE:
+                yield from walk(value, 0)
+
+
+def is_module_state(name: str) -> bool:
+    """Whether a module attribute of this name may hold the module's own tensors (see :func:`attribute_tensors`)."""
+    return name not in _NOT_STATE
+
+
 def storage_key(tensor: Tensor) -> tuple[int, torch.UntypedStorage] | None:
     """The identity of a tensor's storage (its C++ object) and the storage, or None for tensors without one."""
     try:

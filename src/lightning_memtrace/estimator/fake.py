@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_memtrace.capture.storages import attribute_tensors, is_module_state
 from lightning_memtrace.estimator.inputs import InputSpec, map_batch
 
 
@@ -136,38 +137,10 @@ def _fake_tensors(
     for buffer in module.buffers():
         if id(buffer) not in memo:
             memo[id(buffer)] = _fake_tensor(buffer, mode, device, cast(buffer))
-    for tensor in _attribute_tensors(module):
+    for tensor in attribute_tensors(module):
         if id(tensor) not in memo:
             memo[id(tensor)] = _fake_tensor(tensor, mode, device).requires_grad_(tensor.requires_grad)
     return memo
-
-
-#: Module attributes that hold no tensors of the module's own (or are handled apart: parameters, buffers, gradients).
-_NOT_STATE = frozenset({"_parameters", "_buffers", "_modules", "_trainer", "_fabric"})
-
-
-def _attribute_tensors(module: nn.Module) -> Iterator[Tensor]:
-    """Tensors a module keeps as plain attributes, also in dicts, lists and tuples: torchmetrics' metric states and
-    their defaults, a mask cached as ``self.mask = ...`` rather than a buffer.
-
-    Copied as real tensors they would meet fake ones in the step (which fake tensors refuse), and take real memory.
-    """
-
-    def walk(value: Any, depth: int) -> Iterator[Tensor]:
-        if isinstance(value, Tensor):
-            if not isinstance(value, nn.Parameter) and value.layout == torch.strided:
-                yield value
-        elif depth < 3 and isinstance(value, (list, tuple)):
-            for item in value:
-                yield from walk(item, depth + 1)
-        elif depth < 3 and isinstance(value, dict):
-            for item in value.values():
-                yield from walk(item, depth + 1)
-
-    for sub in module.modules():
-        for name, value in sub.__dict__.items():
-            if name not in _NOT_STATE:
-                yield from walk(value, 0)
 
 
 def _replace_in_place(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
@@ -179,7 +152,7 @@ def _replace_in_place(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
             if value is not None:
                 sub._buffers[name] = memo[id(value)]
         for name, value in list(sub.__dict__.items()):
-            if name not in _NOT_STATE:
+            if is_module_state(name):
                 sub.__dict__[name] = _with_fakes(value, memo, 0)
     return module
 
@@ -266,8 +239,8 @@ def _no_logging(*args: Any, **kwargs: Any) -> None:
 def fake_copy(
     module: nn.Module, mode: Any, device: torch.device, param_dtype: torch.dtype | None, in_place: bool
 ) -> nn.Module:
-    """The module with every parameter, buffer and tensor attribute (:func:`_attribute_tensors`) replaced by a fake
-    tensor (tied tensors stay tied)."""
+    """The module with every parameter, buffer and tensor attribute replaced by a fake tensor (tied tensors stay
+    tied; attributes: :func:`~lightning_memtrace.capture.storages.attribute_tensors`)."""
     memo = _fake_tensors(module, mode, device, param_dtype)
     if in_place:
         return _replace_in_place(module, memo)
