@@ -208,3 +208,35 @@ def test_a_distributions_argument_validation_is_answered_as_passing(tmp_path, mo
     result = estimate_for_module(module, next(iter(module.train_dataloader())), steps=3)
     assert result.values_read and all("in training_step" in place for place in result.values_read)
     check_against_real(result, real_run(tmp_path, _VAE()))
+
+
+class _PrintsItsLoss(MLP):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        print(f"loss at step {self.global_step}: {loss.item():.4f}")
+        self.print("self.print too")
+        return loss
+
+
+def test_the_estimates_run_of_the_step_prints_nothing(tmp_path, capsys):
+    """The step's prints come from the real run only: the estimate's (a fake loss reads 0.0) would mislead."""
+    callback = MemTrace(estimate=True, report=False, history=False)
+    trainer(tmp_path, [callback], max_steps=2).fit(_PrintsItsLoss())
+    assert callback.estimated and callback.estimated.values_read
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith(("loss at step", "self.print"))]
+    assert len(lines) == 4 and "0.0000" not in out  # two real steps, two lines each; the what-if's steps print none
+
+
+def test_other_threads_print_while_the_estimate_runs(capsys):
+    import threading
+
+    from lightning_memtrace.estimator.fake import own_prints_dropped
+
+    with own_prints_dropped():
+        print("dropped")
+        worker = threading.Thread(target=print, args=("from another thread",))
+        worker.start()
+        worker.join()
+    print("after")
+    assert capsys.readouterr().out == "from another thread\nafter\n"

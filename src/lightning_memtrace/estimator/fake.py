@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -59,6 +60,46 @@ def meta_failures_unlogged() -> Iterator[None]:
         yield
     finally:
         logger.removeFilter(other_threads_only)
+
+
+class _ThreadQuietStream:
+    """A text stream that drops what one thread writes and passes every other thread's writes to ``stream``."""
+
+    def __init__(self, stream: Any, thread: int) -> None:
+        self._stream, self._thread = stream, thread
+
+    def write(self, text: str) -> int:
+        if threading.get_ident() == self._thread:
+            return len(text)
+        return self._stream.write(text)
+
+    def flush(self) -> None:
+        if threading.get_ident() != self._thread:
+            self._stream.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def own_prints_dropped() -> Iterator[None]:
+    """Within, on this thread: ``print`` (to ``sys.stdout`` or ``sys.stderr``) writes nothing.
+
+    The estimate runs the user's ``training_step``, whose prints (``self.print``, a loss every N batches) would show
+    the estimate's values (a fake loss is 0.0) among the run's own lines. Other threads print as before, and file
+    descriptors are left alone.
+    """
+    thread = threading.get_ident()
+    out, err = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _ThreadQuietStream(out, thread), _ThreadQuietStream(err, thread)
+    try:
+        yield
+    finally:
+        # put back only what this put there: a stream someone else swapped in meanwhile stays
+        if isinstance(sys.stdout, _ThreadQuietStream) and sys.stdout._stream is out:
+            sys.stdout = out
+        if isinstance(sys.stderr, _ThreadQuietStream) and sys.stderr._stream is err:
+            sys.stderr = err
 
 
 @contextlib.contextmanager

@@ -31,6 +31,7 @@ from lightning_memtrace.estimator.fake import (
     is_fake,
     meta_failures_unlogged,
     outer_modes_paused,
+    own_prints_dropped,
     uncompiled,
     value_dependent_errors,
 )
@@ -162,7 +163,13 @@ def _estimate(
     world_size = check_world_size(world_size)
     world = fake_world(world_size, fake_device.type) if world_size > 1 else contextlib.nullcontext()
     mode = fake_mode()
-    with warnings.catch_warnings(), outer_modes_paused(), meta_failures_unlogged(), world as mesh:
+    with (
+        warnings.catch_warnings(),
+        outer_modes_paused(),
+        meta_failures_unlogged(),
+        own_prints_dropped(),
+        world as mesh,
+    ):
         warnings.simplefilter("ignore")
         model = fake_copy(module, mode, fake_device, precision.param_dtype, in_place=not copy_module)
         model.train()
