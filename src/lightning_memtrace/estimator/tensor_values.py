@@ -50,11 +50,9 @@ class ValuesRead:
     """The reads of one estimate that were answered, and whether NaN and infinity checks are followed."""
 
     finite_checks: bool = False
-    count: int = 0
     places: list[str] = dataclasses.field(default_factory=list)
 
     def note(self) -> None:
-        self.count += 1
         if len(self.places) < _MOST_PLACES:
             frames = [
                 {"filename": frame.filename, "line": frame.lineno, "name": frame.name}
@@ -87,7 +85,9 @@ def _install() -> None:
     # fake modes (torch.compile's) get torch's answer, since only the estimate's mode carries the attribute.
     from torch._subclasses import fake_impls
 
-    table = fake_impls.op_implementations_dict
+    table = getattr(fake_impls, "op_implementations_dict", None)
+    if table is None:  # a torch without the table: reads raise as they did
+        return
     for op in _READ_OPS:
         current = table.get(op)
         if current is not None and not getattr(current, "answers_floats", False):
