@@ -240,3 +240,25 @@ def test_other_threads_print_while_the_estimate_runs(capsys):
         worker.join()
     print("after")
     assert capsys.readouterr().out == "from another thread\nafter\n"
+
+
+def test_a_step_with_checks_is_remembered_so_later_estimates_run_once(monkeypatch):
+    from lightning_memtrace.estimator import run
+
+    runs = []
+    original = run._estimate
+
+    def counting(*args, **kwargs):
+        runs.append(kwargs["finite_checks"])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(run, "_estimate", counting)
+
+    def guarded(model, batch):
+        return _isnan_guard(model, batch)
+
+    first, second = _estimate(guarded), _estimate(guarded)
+    assert runs == [False, True, True]  # the first estimate stopped at the check once; the second ran once
+    assert first.peak_bytes == second.peak_bytes and first.values_read == second.values_read
+    _estimate(_plain)
+    assert runs[-1] is False  # a step without checks still runs without following them

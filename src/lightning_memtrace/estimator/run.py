@@ -13,6 +13,7 @@ import dataclasses
 import time
 import traceback
 import warnings
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -122,12 +123,22 @@ def estimate(
         world_size=world_size,
         prepare=prepare,
     )
-    # Following NaN and infinity checks costs a Python call per op: only for a step that has one (the first run
-    # stops there; a module replaced in place cannot run twice, so it follows them from the start).
+    # Following NaN and infinity checks costs a Python call per op: only for a step that has one. The first run stops
+    # there, and the step is remembered (the what-if estimates it again and again); a module replaced in place cannot
+    # run twice, so it follows them from the start.
+    step_code = training_step if training_step is not None else type(module)
     try:
-        return _estimate(module, batch, finite_checks=not copy_module, **arguments)
+        return _estimate(
+            module, batch, finite_checks=not copy_module or step_code in _STEPS_WITH_CHECKS, **arguments
+        )
     except FiniteCheckNeeded:
+        _STEPS_WITH_CHECKS.add(step_code)
         return _estimate(module, batch, finite_checks=True, **arguments)
+
+
+#: Training steps (a ``training_step`` function, else the module's class) that read a bool or an integer: their
+#: estimates follow NaN and infinity checks from the start.
+_STEPS_WITH_CHECKS: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def _estimate(
