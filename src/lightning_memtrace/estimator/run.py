@@ -66,10 +66,10 @@ def estimate(
 
     Nothing real is allocated for parameters, gradients, optimizer state, batch or activations: a 1.5B-parameter
     model estimates on a laptop. The module's own ``forward`` (or ``training_step``) runs, autograd saves what it
-    saves, the optimizer's own ``step`` runs, and :class:`~lightning_memtrace.capture.recorder.MemoryRecorder` takes the same
-    rows the callback takes on a real run, in Lightning's order (``zero_grad`` after the forward, so the previous
-    step's gradients are alive through the next forward; with accumulation, ``zero_grad`` on the first batch of a
-    window and a step on its last).
+    saves, the optimizer's own ``step`` runs, and :class:`~lightning_memtrace.capture.recorder.MemoryRecorder` takes
+    the same rows the callback takes on a real run, in Lightning's order (``zero_grad`` after the forward, so the
+    previous step's gradients are alive through the next forward; with accumulation, ``zero_grad`` on the first batch
+    of a window and a step on its last).
 
     Args:
         module: A LightningModule (its ``training_step`` and ``configure_optimizers`` are used) or any ``nn.Module``.
