@@ -17,6 +17,7 @@ LIBRARY = [
     "/venv/lib/python3.11/site-packages/pytorch_lightning/trainer.py",
     "/venv/lib/python3.11/site-packages/lightning_fabric/fabric.py",
     "/venv/lib/python3.11/site-packages/lightning_utilities/core/rank_zero.py",
+    "/venv/lib/python3.11/site-packages/torchmetrics/aggregation.py",  # the user's line is the metric's update call
     "/venv/lib/python3.11/site-packages/lightning_memtrace/recorder.py",
     "/venv/lib/python3.11/site-packages/accelerate/accelerator.py",
     "C:\\venv\\Lib\\site-packages\\accelerate\\accelerator.py",

@@ -2,8 +2,9 @@
 and so the report and ``memtrace summary``, so that they all blame the same line for the same allocation.
 
 A frame is library code when its file is unknown (empty, ``<...>``, ``??``), lies in one of :data:`LIBRARY_PACKAGES`
-(torch, Lightning and its helpers, MemTrace itself, accelerate), or in the standard library (``lib/python3.X/`` outside
-``site-packages``/``dist-packages``, or under this interpreter's base prefix outside them). Paths are compared with
+(torch, Lightning and its helpers, torchmetrics among them, MemTrace itself, accelerate), or in the standard library
+(``lib/python3.X/`` outside ``site-packages``/``dist-packages``, or under this interpreter's base prefix outside
+them). Paths are compared with
 ``/`` separators, so Windows paths classify alike.
 """
 
@@ -22,6 +23,7 @@ LIBRARY_PACKAGES: tuple[str, ...] = (
     "lightning_fabric",
     "lightning_memtrace",
     "lightning_utilities",
+    "torchmetrics",
     "accelerate",
 )
 _LIBRARY_PARTS = tuple(f"/{name}/" for name in LIBRARY_PACKAGES)
