@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from lightning_memtrace import MemTrace
+from lightning_memtrace.types import Category
 from lightning_memtrace.estimator import estimate
 from lm_helpers import MLP, trainer
 
@@ -135,7 +136,16 @@ def _size_from_value(model, batch):
     return out.sum() + torch.zeros(n).sum()
 
 
-@pytest.mark.parametrize("step", [_threshold, _size_from_value])
+def _overwritten_check(model, batch):
+    loss = _plain(model, batch)
+    bad = torch.isnan(loss)
+    bad.copy_(loss > 1.0)  # no longer a NaN check: its value is not known
+    if bad:
+        return None
+    return loss
+
+
+@pytest.mark.parametrize("step", [_threshold, _size_from_value, _overwritten_check])
 def test_other_reads_still_stop_the_estimate_in_one_line(step):
     with pytest.raises(ValueError) as raised:
         _estimate(step)
@@ -262,3 +272,18 @@ def test_a_step_with_checks_is_remembered_so_later_estimates_run_once(monkeypatc
     assert first.peak_bytes == second.peak_bytes and first.values_read == second.values_read
     _estimate(_plain)
     assert runs[-1] is False  # a step without checks still runs without following them
+
+
+def _negated_in_place(model, batch):
+    loss = _plain(model, batch)
+    finite = torch.isnan(loss)
+    finite.logical_not_()  # now True where the loss is finite
+    if not finite.all():
+        return None
+    return loss
+
+
+def test_a_check_written_in_place_is_followed(plain):
+    result = _estimate(_negated_in_place)  # a stale "all False" would skip the backward and the optimizer step
+    assert [r.phase for r in result.records] == [r.phase for r in plain.records]
+    assert result.category_bytes()[Category.OPTIMIZER_STATE] == plain.category_bytes()[Category.OPTIMIZER_STATE] > 0

@@ -179,6 +179,16 @@ _LOGICAL = {
     aten.mul.Tensor: lambda a, b: a * b,
 }
 _NEGATIONS = {aten.logical_not.default, aten.bitwise_not.default}
+#: In-place ops this follows, each with its functional twin (other in-place ops make their operand unknown).
+_IN_PLACE = {
+    aten.logical_not_.default: aten.logical_not.default,
+    aten.bitwise_not_.default: aten.bitwise_not.default,
+    aten.logical_and_.default: aten.logical_and.default,
+    aten.logical_or_.default: aten.logical_or.default,
+    aten.bitwise_and_.Tensor: aten.bitwise_and.Tensor,
+    aten.bitwise_or_.Tensor: aten.bitwise_or.Tensor,
+    aten.mul_.Tensor: aten.mul.Tensor,
+}
 _SUMS = {aten.sum.default, aten.sum.dim_IntList}
 
 
@@ -207,20 +217,18 @@ class FiniteValuesMode(TorchDispatchMode):
                 return entry[1]
         return None
 
-    def _keep(self, out: Any, value: Any) -> Any:
-        if isinstance(out, torch.Tensor) and value is not None:
-            if out.dtype == torch.bool:
-                value = bool(value)
-            elif out.dtype.is_floating_point:
-                value = float(value)
-            elif not isinstance(value, float) or math.isfinite(value):
-                value = int(value)
-            else:
-                return out  # an infinite or NaN value in an integer tensor: not one this follows
-            if len(self._known) > 4096:  # values of the step's checks only: drop those gone
-                self._known = {k: v for k, v in self._known.items() if v[0]() is not None}
-            self._known[id(out)] = (weakref.ref(out), value)
-        return out
+    def _keep(self, out: torch.Tensor, value: Any) -> None:
+        if out.dtype == torch.bool:
+            value = bool(value)
+        elif out.dtype.is_floating_point:
+            value = float(value)
+        elif not isinstance(value, float) or math.isfinite(value):
+            value = int(value)
+        else:
+            return  # an infinite or NaN value in an integer tensor: not one this follows
+        if len(self._known) > 4096:  # values of the step's checks only: drop those gone
+            self._known = {k: v for k, v in self._known.items() if v[0]() is not None}
+        self._known[id(out)] = (weakref.ref(out), value)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -230,10 +238,21 @@ class FiniteValuesMode(TorchDispatchMode):
                 self.values.note()
                 return value
             return func(*args, **kwargs)
+        value = None
         out = func(*args, **kwargs)
-        if not isinstance(out, torch.Tensor):
-            return out
-        return self._keep(out, self._known_result(func, args, out))
+        if isinstance(out, torch.Tensor):
+            # an in-place op's value is its functional twin's, from the operand's value before the write
+            value = self._known_result(_IN_PLACE.get(func, func), args, out)
+        if self._known and func._schema.is_mutable:  # written in place (``mask.logical_not_()``): no longer known
+            for arg in (*args, *kwargs.values()):
+                if isinstance(arg, torch.Tensor):
+                    self._known.pop(id(arg), None)
+        if isinstance(out, torch.Tensor):
+            if value is None:
+                self._known.pop(id(out), None)  # a new tensor at a reused id, or one written in place
+            else:
+                self._keep(out, value)
+        return out
 
     def _known_result(self, func: Any, args: Any, out: torch.Tensor) -> Any:
         if func in _ALWAYS:
