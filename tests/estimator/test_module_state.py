@@ -185,3 +185,26 @@ def test_the_copys_trainer_has_no_loggers_and_takes_no_settings(tmp_path):
     assert view.global_step == fit.global_step == 3 and view.loggers == [] and view.logger is None
     view.should_stop = True
     assert fit.should_stop is False  # the copy's setting went nowhere
+
+
+def test_an_optimizer_made_beforehand_is_left_to_the_run(tmp_path):
+    """``configure_optimizers`` returning an optimizer and scheduler made beforehand (a closure, as Lightning's own
+    tests write it) hands the estimate the run's own optimizer. The estimate builds its own of the same class: the
+    run's keeps its parameters (so its checkpoint pickles), takes exactly the run's steps, and its hooks see only
+    those."""
+    module = MLP()
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    module.configure_optimizers = lambda: {"optimizer": optimizer, "lr_scheduler": scheduler}
+    steps = []
+    optimizer.register_step_post_hook(lambda opt, args, kwargs: steps.append(1))
+    real_params = [id(p) for p in module.parameters()]
+    callback = MemTrace(estimate=True, report=False, history=False, what_if_budget_s=0)
+    fit = trainer(tmp_path, [callback], max_steps=3, enable_checkpointing=True)
+    fit.fit(module)
+    assert len(steps) == 3 and [id(p) for p in optimizer.param_groups[0]["params"]] == real_params
+    assert not any(is_fake(t) for state in optimizer.state.values() for t in state.values())
+    assert list((tmp_path / "checkpoints").glob("*.ckpt")) or list(tmp_path.rglob("*.ckpt"))
+    comparison = callback.estimate_comparison.set_index("category")
+    assert comparison.loc["optimizer_state", "estimated_bytes"] == 2 * MLP_PARAM_BYTES + 4 * 6
+    assert comparison.loc["optimizer_state", "error_bytes"] == 0

@@ -393,18 +393,28 @@ def _first_optimizer(configured: Any) -> torch.optim.Optimizer:
     raise ValueError(f"no optimizer in what configure_optimizers returned ({type(configured).__name__})")
 
 
-def _on_the_copy(optimizer: torch.optim.Optimizer, original: nn.Module, model: nn.Module) -> None:
-    """The optimizer's parameters that are the original module's (built from ``self.trainer.model.parameters()``,
-    as Lightning's FSDP documentation writes it, which the copy's Trainer gives) replaced by the copy's."""
-    if all(_is_fake_parameter(param) for group in optimizer.param_groups for param in group["params"]):
-        return
+def _on_the_copy(optimizer: torch.optim.Optimizer, original: nn.Module, model: nn.Module) -> torch.optim.Optimizer:
+    """The optimizer, or where it holds the original module's parameters, a new one of its class over the copy's.
+
+    ``configure_optimizers`` may hand out the run's own parameters (``self.trainer.model.parameters()``, as Lightning's
+    FSDP documentation writes it, which the copy's Trainer gives) or even the run's own optimizer (one made beforehand
+    and returned by a closure). That optimizer is the run's: stepping or changing it would change the run (its hooks,
+    MemTrace's among them, its scheduler's counter, its parameters). The new one has the same groups and settings.
+    """
+    groups = optimizer.param_groups
+    if all(_is_fake_parameter(param) for group in groups for param in group["params"]):
+        return optimizer
     fake_of = {id(real): fake for real, fake in zip(original.parameters(), model.parameters())}
-    for group in optimizer.param_groups:
-        group["params"] = [fake_of.get(id(param), param) for param in group["params"]]
-        if not all(_is_fake_parameter(param) for param in group["params"]):
-            raise ValueError(
-                f"configure_optimizers gave {type(optimizer).__name__} parameters that are not the module's own"
-            )
+    copied = [{**group, "params": [fake_of.get(id(param), param) for param in group["params"]]} for group in groups]
+    if not all(_is_fake_parameter(param) for group in copied for param in group["params"]):
+        name = type(optimizer).__name__
+        raise ValueError(f"configure_optimizers gave {name} parameters that are not the module's own")
+    try:
+        return type(optimizer)(copied)
+    except TypeError:  # a constructor that wants its settings as arguments: the base class's, with the same defaults
+        new = type(optimizer).__new__(type(optimizer))
+        torch.optim.Optimizer.__init__(new, copied, dict(optimizer.defaults))
+        return new
 
 
 def _is_fake_parameter(param: Tensor) -> bool:
@@ -429,7 +439,7 @@ def _build_optimizer(
             optimizer = _first_optimizer(model.configure_optimizers())
         else:
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    _on_the_copy(optimizer, original, model)
+    optimizer = _on_the_copy(optimizer, original, model)
     if target.type == "cuda":
         # torch picks foreach kernels for plain CUDA tensors only; fake tensors would get the single-tensor path.
         _use_cuda_defaults(optimizer)
