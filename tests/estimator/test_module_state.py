@@ -17,6 +17,7 @@ from torch import nn
 from lightning_memtrace import MemTrace
 from lightning_memtrace.estimator import estimate
 from lightning_memtrace.estimator.fake import fake_copy, fake_mode, is_fake
+from lightning_memtrace.types import Category
 from estimate_checks import MLP_PARAM_BYTES
 from lm_helpers import MLP, trainer
 
@@ -208,3 +209,14 @@ def test_an_optimizer_made_beforehand_is_left_to_the_run(tmp_path):
     comparison = callback.estimate_comparison.set_index("category")
     assert comparison.loc["optimizer_state", "estimated_bytes"] == 2 * MLP_PARAM_BYTES + 4 * 6
     assert comparison.loc["optimizer_state", "error_bytes"] == 0
+
+
+def test_an_attribute_tensor_on_another_device_is_shared_not_counted():
+    """A host-side table beside a model on another device (meta here, standing for CUDA) is not the device's memory:
+    the copy shares it (no real copy is made) and the estimate does not count it."""
+    module = nn.Linear(8, 8, device="meta")
+    module.host_table = torch.zeros(256, 1024)  # 1 MiB on the host
+    copy = fake_copy(module, fake_mode(), torch.device("cpu"), None, in_place=False)
+    assert copy.host_table is module.host_table and not is_fake(copy.host_table)
+    result = estimate(module, torch.randn(4, 8, device="meta"), training_step=lambda m, b: m(b).sum(), device="cuda")
+    assert result.category_bytes()[Category.OTHER] < 1024

@@ -178,8 +178,15 @@ def _fake_tensors(
     for buffer in module.buffers():
         if id(buffer) not in memo:
             memo[id(buffer)] = _fake_tensor(buffer, mode, device, cast(buffer))
+    home = next((param.device.type for param in module.parameters()), None)
     for tensor in attribute_tensors(module):
-        if id(tensor) not in memo:
+        if id(tensor) in memo:
+            continue
+        if home is not None and tensor.device.type != home:
+            # Kept elsewhere (a table on the host beside a CUDA model): not the device's memory, so not counted; the
+            # copy shares it rather than copy it (a step that moves it to the device stops the estimate, as before).
+            memo[id(tensor)] = tensor
+        else:
             memo[id(tensor)] = _fake_tensor(tensor, mode, device).requires_grad_(tensor.requires_grad)
     return memo
 
