@@ -4,8 +4,7 @@ and so the report and ``memtrace summary``, so that they all blame the same line
 A frame is library code when its file is unknown (empty, ``<...>``, ``??``), lies in one of :data:`LIBRARY_PACKAGES`
 (torch, Lightning and its helpers, torchmetrics among them, MemTrace itself, accelerate), or in the standard library
 (``lib/python3.X/`` outside ``site-packages``/``dist-packages``, or under this interpreter's base prefix outside
-them). Paths are compared with
-``/`` separators, so Windows paths classify alike.
+them). Paths are compared with ``/`` separators, so Windows paths classify alike.
 """
 
 from __future__ import annotations

@@ -75,15 +75,15 @@ _NOT_STATE = frozenset({"_parameters", "_buffers", "_modules", "_trainer", "_fab
 
 
 def attribute_tensors(module: torch.nn.Module) -> Iterator[Tensor]:
-    """Tensors the module's submodules keep as plain attributes, also in dicts, lists and tuples (three deep):
+    """Tensors the module's submodules keep as plain attributes, also in dicts, lists and plain tuples (three deep):
     torchmetrics' metric states and their defaults, a mask cached as ``self.mask = ...`` rather than a buffer.
-    Parameters are left out."""
+    Parameters are left out. (Tuple subclasses are not entered: the estimate's in-place copy could not rebuild them.)"""
 
     def walk(value: Any, depth: int) -> Iterator[Tensor]:
         if isinstance(value, Tensor):
             if not isinstance(value, torch.nn.Parameter) and value.layout == torch.strided:
                 yield value
-        elif depth < 3 and isinstance(value, (list, tuple)):
+        elif depth < 3 and (isinstance(value, list) or type(value) is tuple):
             for item in value:
                 yield from walk(item, depth + 1)
         elif depth < 3 and isinstance(value, dict):

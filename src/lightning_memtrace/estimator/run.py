@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-import traceback
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
@@ -22,7 +21,8 @@ from torch import Tensor, nn
 
 from lightning_memtrace.estimator.attention import attention_label, attn_implementation, sdpa_watched
 from lightning_memtrace.estimator.batch_values import answered_as_the_batch
-from lightning_memtrace.capture.storages import unique_storages
+from lightning_memtrace.capture.frames import traceback_frames
+from lightning_memtrace.capture.storages import memory_tensors, unique_storages
 from lightning_memtrace.estimator.closed_form import closed_form
 from lightning_memtrace.analysis.frames import format_frame, user_frame
 from lightning_memtrace.estimator.fake import (
@@ -277,10 +277,7 @@ def estimate_for_module(
 
 def _needs_values(error: Exception, model: nn.Module) -> str:
     """One line for a step that asked a fake tensor for a value: the op, the line that asked, what to do."""
-    frames = [
-        {"filename": frame.filename, "line": frame.lineno, "name": frame.name}
-        for frame in reversed(traceback.extract_tb(error.__traceback__))
-    ]
+    frames = traceback_frames(error, depth=64)
     text = (
         f"the training step needs tensor values, which an estimate on fake tensors does not have ({error}, at "
         f"{format_frame(user_frame(frames))}): a step whose shapes or branches follow values (boolean-mask "
@@ -418,8 +415,9 @@ def _on_the_copy(optimizer: torch.optim.Optimizer, original: nn.Module, model: n
 
 
 def _is_fake_parameter(param: Tensor) -> bool:
-    """A fake tensor, or a sharded parameter (DTensor) whose local shard is one."""
-    return is_fake(param) or is_fake(getattr(param, "_local_tensor", None))
+    """A fake tensor, or a wrapper (a sharded parameter's DTensor) whose memory is held in fake ones."""
+    held = list(memory_tensors([param]))
+    return bool(held) and all(is_fake(tensor) for tensor in held)
 
 
 def _build_optimizer(

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import traceback
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -32,6 +31,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_memtrace.analysis.frames import format_frame, user_frame
+from lightning_memtrace.capture.frames import capture_frames
 
 aten = torch.ops.aten
 _READ_OPS = (aten._local_scalar_dense.default, aten.item.default)
@@ -39,6 +39,8 @@ _READ_OPS = (aten._local_scalar_dense.default, aten.item.default)
 _ATTRIBUTE = "_memtrace_values_read"
 #: Where answers are made, most places a step's reads are named for.
 _MOST_PLACES = 8
+#: Frames read above a read: the fake mode's dispatch lies between the user's line and the answer.
+_READ_DEPTH = 64
 
 
 class FiniteCheckNeeded(DataDependentOutputException):
@@ -54,11 +56,7 @@ class ValuesRead:
 
     def note(self) -> None:
         if len(self.places) < _MOST_PLACES:
-            frames = [
-                {"filename": frame.filename, "line": frame.lineno, "name": frame.name}
-                for frame in reversed(traceback.extract_stack()[:-2])
-            ]
-            place = format_frame(user_frame(frames))
+            place = format_frame(user_frame(capture_frames(depth=_READ_DEPTH)))
             if place not in self.places:
                 self.places.append(place)
 
