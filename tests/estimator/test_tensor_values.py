@@ -287,3 +287,16 @@ def test_a_check_written_in_place_is_followed(plain):
     result = _estimate(_negated_in_place)  # a stale "all False" would skip the backward and the optimizer step
     assert [r.phase for r in result.records] == [r.phase for r in plain.records]
     assert result.category_bytes()[Category.OPTIMIZER_STATE] == plain.category_bytes()[Category.OPTIMIZER_STATE] > 0
+
+
+def _bitwise_not_of_a_count(model, batch):
+    loss = _plain(model, batch)
+    bad = torch.isnan(loss).long().sum()  # 0
+    if (~bad).item() != -1:  # ~0 == -1: a flipped truth (True, read as 1) would skip the step
+        return None
+    return loss
+
+
+def test_bitwise_not_of_an_integer_is_its_complement(plain):
+    result = _estimate(_bitwise_not_of_a_count)
+    assert result.category_bytes()[Category.OPTIMIZER_STATE] == plain.category_bytes()[Category.OPTIMIZER_STATE] > 0

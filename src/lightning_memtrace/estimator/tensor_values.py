@@ -261,7 +261,10 @@ class FiniteValuesMode(TorchDispatchMode):
         if func is aten.abs.default:
             return None if first is None else abs(first)
         if func in _NEGATIONS:
-            return None if first is None else not first
+            if first is None:
+                return None
+            # logical_not of anything, bitwise_not of a bool: the truth flipped; bitwise_not of an integer: ~n
+            return ~first if func is aten.bitwise_not.default and type(first) is int else not first
         if func in _TRUTH_REDUCTIONS:
             if first is None:
                 return None
