@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import lightning.pytorch as pl
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning_memtrace import MemoryRecorder, MemTrace, MemTraceWarning, load_phases
 from lightning_memtrace.capture.storages import unique_storage_bytes
@@ -341,3 +342,96 @@ def test_the_estimate_counts_buffers_and_attribute_tensors_as_the_run_does(tmp_p
     assert comparison.loc["other", "estimated_bytes"] >= 5 * 1024**2
     assert abs(comparison.loc["other", "error_bytes"]) <= 64
     assert abs(comparison.loc["peak", "error_percent"]) < 0.1
+
+
+class _SparseEmbedding(pl.LightningModule):
+    """An ``nn.Embedding(sparse=True)`` (its gradient a sparse COO tensor) under SGD with momentum (a sparse buffer)."""
+
+    rows, width, batch, tokens = 1000, 64, 8, 16
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = torch.nn.Embedding(self.rows, self.width, sparse=True)
+        self.head = torch.nn.Linear(self.width, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.head(self.embedding(batch).mean(1)).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    def train_dataloader(self):
+        generator = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, self.rows, (4 * self.batch, self.tokens), generator=generator)
+        return torch.utils.data.DataLoader(ids, batch_size=self.batch)
+
+
+@pytest.mark.parametrize("allocation_backend", ["auto", "dispatch"])
+def test_sparse_gradients_are_measured_as_gradients(tmp_path, allocation_backend):
+    """A sparse gradient has no storage of its own (``untyped_storage()`` raises): its indices and values are its
+    memory. Training used to stop in MemTrace's dispatch mode at the first backward; the gradient is counted now."""
+    module = _SparseEmbedding()
+    callback = MemTrace(dirpath=tmp_path / "mt", report=False, allocation_backend=allocation_backend)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(tmp_path, [callback], max_steps=3).fit(module)
+    assert not [w for w in caught if issubclass(w.category, MemTraceWarning)]
+    phases = load_phases(tmp_path / "mt")
+    assert list(phases.step.unique()) == [0, 1, 2]
+    looked_up = module.batch * module.tokens
+    # the uncoalesced gradient: one int64 index and one row of values per token looked up
+    sparse_grad = looked_up * 8 + looked_up * module.width * 4
+    head_grad = _param_bytes(module.head)
+    after_backward = phases[phases.phase == "after_backward"]
+    assert (after_backward.gradients_bytes == sparse_grad + head_grad).all()
+    after_step = phases[phases.phase == "after_optimizer_step"]
+    assert after_step.optimizer_state_bytes.iloc[0] == sparse_grad + head_grad  # the momentum buffers, cloned
+    assert (phases.parameters_bytes == _param_bytes(module)).all()
+    assert list(Path(tmp_path / "mt").glob("snapshot_rank0_steps*.pickle"))
+
+
+def test_the_estimate_says_it_counts_sparse_gradients_as_empty():
+    from lightning_memtrace import estimate
+
+    module = _SparseEmbedding()
+    dense = estimate(module.head, torch.zeros(8, module.width), device="cpu")
+    assert not dense.sparse_gradients and "sparse" not in dense.describe()
+    sparse = estimate(module, next(iter(module.train_dataloader())), device="cpu")
+    assert sparse.sparse_gradients and sparse.as_dict()["sparse_gradients"] is True
+    assert "sparse gradients (Embedding(sparse=True)) counted as empty" in sparse.describe()
+
+
+def test_a_failure_counting_an_operators_output_leaves_training_as_it_was(tmp_path, monkeypatch):
+    """The dispatch mode counts inside the user's operators: where the counting fails (an output of a kind it cannot
+    read), the operator's result still goes back, counting stops, and the next row switches MemTrace off with one
+    warning. Training ends with the same weights as without MemTrace."""
+    from lightning_memtrace.capture.dispatch_backend import DispatchBackend
+
+    def final_weights(callbacks, folder):
+        torch.manual_seed(0)
+        module = MLP()
+        trainer(folder, callbacks, max_steps=3).fit(module)
+        return [p.detach().clone() for p in module.parameters()]
+
+    plain = final_weights([], tmp_path / "plain")
+    counted = 0
+    track_output = DispatchBackend._track_output
+
+    def fails_at_the_fortieth(self, tensor):
+        nonlocal counted
+        counted += 1
+        if counted == 40:
+            raise NotImplementedError("Cannot access storage of SomeTensorImpl")
+        track_output(self, tensor)
+
+    monkeypatch.setattr(DispatchBackend, "_track_output", fails_at_the_fortieth)
+    callback = MemTrace(dirpath=tmp_path / "mt", history=False, report=False, allocation_backend="dispatch")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        measured = final_weights([callback], tmp_path / "measured")
+    assert counted == 40  # nothing was counted after the failure
+    assert all(torch.equal(a, b) for a, b in zip(plain, measured))
+    switched_off = [str(w.message) for w in caught if "MemTrace switched itself off" in str(w.message)]
+    assert len(switched_off) == 1
+    assert "counting the allocations of an operator failed" in switched_off[0]
+    assert "Cannot access storage of SomeTensorImpl" in switched_off[0]

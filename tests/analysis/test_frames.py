@@ -6,7 +6,13 @@ import sys
 
 import pytest
 
-from lightning_memtrace.analysis.frames import LIBRARY_PACKAGES, format_frame, is_library_file, user_frame
+from lightning_memtrace.analysis.frames import (
+    LIBRARY_PACKAGES,
+    asking_frame,
+    format_frame,
+    is_library_file,
+    user_frame,
+)
 from lightning_memtrace.analysis.postmortem import LiveBlock, PostMortem, render_post_mortem
 from lightning_memtrace.analysis.stacks import analyze_frames
 
@@ -74,6 +80,26 @@ def test_user_frame_skips_library_and_falls_back() -> None:
     assert user_frame([]) is None
     assert format_frame(frames[2]) == f"{USER}:12 in fn2"
     assert format_frame(None) == "<unknown>"
+
+
+def test_asking_frame_is_the_users_line_else_a_librarys_own_code_outside_torchs_machinery() -> None:
+    site = "/venv/lib/python3.11/site-packages"
+    machinery = [
+        f"{site}/torch/_subclasses/fake_impls.py",
+        f"{site}/torch/_subclasses/fake_tensor.py",
+        f"{site}/torch/utils/_stats.py",
+        f"{site}/torch/_ops.py",
+        f"{site}/torch/_tensor.py",
+        f"{site}/torch/overrides.py",
+        "/src/lightning_memtrace/estimator/loop.py",
+    ]
+    optimizer = _frames(*machinery, f"{site}/torch/optim/lbfgs.py", f"{site}/lightning/pytorch/loops/fit_loop.py")
+    assert asking_frame(optimizer) is optimizer[len(machinery)]
+    with_user = _frames(*machinery, f"{site}/torch/nn/functional.py", USER)
+    assert asking_frame(with_user) is with_user[-1] is user_frame(with_user)
+    only_machinery = _frames(*machinery)
+    assert asking_frame(only_machinery) is user_frame(only_machinery) is only_machinery[0]
+    assert asking_frame([]) is None
 
 
 def test_post_mortem_and_replay_blame_the_same_line() -> None:

@@ -154,6 +154,22 @@ def test_other_reads_still_stop_the_estimate_in_one_line(step):
     assert f"{__file__}:" in message and f"in {step.__name__}" in message
 
 
+def test_a_read_in_the_optimizers_own_code_is_named_there():
+    """LBFGS compares the gradient with its tolerance in ``torch/optim/lbfgs.py``: no line of the user's asked, and the
+    line named is the optimizer's, not torch's fake-tensor machinery's."""
+    with pytest.raises(ValueError) as raised:
+        estimate(
+            torch.nn.Linear(8, 1),
+            torch.zeros(4, 8),
+            optimizer_factory=lambda model: torch.optim.LBFGS(model.parameters()),
+            device="cpu",
+        )
+    message = str(raised.value)
+    assert message.startswith("the training step needs tensor values") and "\n" not in message
+    place = message.split(", at ", 1)[1].split("): ", 1)[0]
+    assert place.replace("\\", "/").split(":")[0].endswith("torch/optim/lbfgs.py") and place.endswith(" in step")
+
+
 def test_other_fake_modes_keep_torchs_answer():
     """Only the estimate's fake mode answers reads: one of torch.compile's (or a user's) still raises."""
     from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode

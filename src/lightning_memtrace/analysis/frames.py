@@ -60,6 +60,25 @@ def user_frame(frames: list[Frame] | None) -> Frame | None:
     return frames[0]
 
 
+#: Where torch's own machinery runs (dispatch, fake tensors, dynamo's wrappers) and MemTrace's: never the code
+#: that asked for something, only the way the asking went.
+_MACHINERY_RE = re.compile(r"/torch/(_[^/]*|utils/_[^/]*|overrides\.py)(/|$)|/lightning_memtrace/")
+
+
+def asking_frame(frames: list[Frame] | None) -> Frame | None:
+    """The code that asked for what an error is about: the user's line (:func:`user_frame`) where there is one, else
+    the innermost frame outside torch's machinery and MemTrace (a library's own code that asked: ``torch/optim/
+    lbfgs.py`` reading a loss), else as :func:`user_frame`."""
+    frame = user_frame(frames)
+    if frame is None or not is_library_file(str(frame.get("filename", ""))):
+        return frame
+    for candidate in frames or ():
+        filename = normalize_path(str(candidate.get("filename", "")))
+        if filename.endswith(".py") and not _MACHINERY_RE.search(filename):
+            return candidate
+    return frame
+
+
 def format_frame(frame: Frame | None) -> str:
     """``file:line in function`` (``<unknown>`` for None)."""
     if frame is None:

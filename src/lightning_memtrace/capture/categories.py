@@ -15,6 +15,7 @@ from lightning_memtrace.capture import cuda_history, hooks_stand_in, torch_priva
 from lightning_memtrace.capture.storages import (
     PLAIN_TENSORS,
     iter_tensors,
+    layout_parts,
     memory_tensors,
     optimizer_state_tensors,
     same_device,
@@ -253,6 +254,9 @@ class CategoryCounter:
             found = storage_key(tensor)
             if found is not None:
                 out.setdefault(found[0], found[1])
+            elif plain:  # a sparse tensor (an `Embedding(sparse=True)`'s gradient): its indices and values
+                for key, storage in self._storages_of(layout_parts(tensor) or []).items():
+                    out.setdefault(key, storage)
         return out
 
     def name(self, inputs: StorageMap | None = None, saved: StorageMap | None = None) -> NamedStorages:

@@ -18,7 +18,7 @@ from lightning_memtrace.capture import fork_guard, torch_private
 from lightning_memtrace.capture.allocation_state import AllocationState
 from lightning_memtrace.capture.frames import capture_frames
 from lightning_memtrace.capture.oom_errors import is_out_of_memory
-from lightning_memtrace.capture.storages import PLAIN_TENSORS, memory_tensors, wrapped_tensors
+from lightning_memtrace.capture.storages import PLAIN_TENSORS, layout_parts, memory_tensors, wrapped_tensors
 from lightning_memtrace.types import Frame
 
 _RESIZING_OPS = frozenset({"resize_", "resize_as_", "set_", "resize_storage_bytes_"})
@@ -41,20 +41,28 @@ def _dispatch(mode: _TrackerMode, func: Any, types: Any, args: tuple = (), kwarg
         if backend.on_oom is not None and is_out_of_memory(error):
             backend.on_oom(error)
         raise
-    if fresh:
-        if type(out) in PLAIN_TENSORS:
-            backend._track_output(out)
-        elif isinstance(out, Tensor):
-            backend._track_memory_of(out)
-        elif isinstance(out, (list, tuple)):
-            if len(fresh) == 1 and isinstance(out, list):
-                backend._seen(out)
-            else:
-                for index in fresh:
-                    backend._seen(out[index])
-    if resizing:
-        backend._refresh_sizes(args)
+    try:
+        if fresh:
+            if type(out) in PLAIN_TENSORS:
+                backend._track_output(out)
+            elif isinstance(out, Tensor):
+                backend._track_memory_of(out)
+            elif isinstance(out, (list, tuple)):
+                if len(fresh) == 1 and isinstance(out, list):
+                    backend._seen(out)
+                else:
+                    for index in fresh:
+                        backend._seen(out[index])
+        if resizing:
+            backend._refresh_sizes(args)
+    except Exception as error:
+        # Inside the user's operator: the operator's result goes back to them whatever went wrong in the counting.
+        backend.counting_failed(error)
     return out
+
+
+def _count_nothing(*_: Any) -> None:
+    return None
 
 
 _DISPATCH_SKIPS_DYNAMO = torch_private.skip_dynamo_for(_dispatch.__code__)
@@ -97,6 +105,8 @@ class DispatchBackend:
         self._cpu_only = state.device_type == "cpu"
         self._frames_into: dict[int, list[list[Frame]]] | None = None
         self._mode: _TrackerMode | None = None
+        #: The first error counting an operator's outputs raised (counting stops there; see :meth:`counting_failed`).
+        self.failure: Exception | None = None
         self._resizes_seen: contextlib.ExitStack | None = None
 
     def note_frames_into(self, pending: dict[int, list[list[Frame]]]) -> None:
@@ -143,8 +153,19 @@ class DispatchBackend:
         if self._mode is not None:
             self._refresh_sizes((tensor,))
 
+    def counting_failed(self, error: Exception) -> None:
+        """Count nothing more (an output MemTrace cannot count, say): the operators run on untouched, and the next
+        :meth:`sync` raises the first such error, where the recorder's caller (the callback's guarded hook) can take
+        it."""
+        if self.failure is None:
+            self.failure = error
+        for name in ("_track_output", "_track_memory_of", "_seen", "_refresh_sizes"):
+            setattr(self, name, _count_nothing)
+
     def sync(self) -> None:
-        """Nothing to take in: every storage is counted as its operator returns."""
+        """Nothing to take in: every storage is counted as its operator returns. Raises where counting failed."""
+        if self.failure is not None:
+            raise RuntimeError(f"counting the allocations of an operator failed: {self.failure!r}") from self.failure
 
     # ----------------------------------------------------------------------------------------------- per operator
     def _plan(self, func: Any) -> OperatorPlan:
@@ -206,13 +227,19 @@ class DispatchBackend:
         A CPU storage an operator has just made has its own address and is not counted yet (unless the operator
         returned an existing one), so only the size check remains on this path.
         """
-        if not self._cpu_only:
+        cpu_only = self._cpu_only
+        if cpu_only and not tensor.is_cpu:
+            return
+        try:
+            storage = tensor.untyped_storage()
+        except (NotImplementedError, RuntimeError):  # a sparse tensor: its indices and values hold its memory
+            for part in layout_parts(tensor) or ():
+                self._track_storage(part.untyped_storage(), skip=3)
+            return
+        if not cpu_only:
             # Meta storages have no address and other devices are rare here: the general path.
-            self._track_storage(tensor.untyped_storage(), skip=3)
+            self._track_storage(storage, skip=3)
             return
-        if not tensor.is_cpu:
-            return
-        storage = tensor.untyped_storage()
         key = storage._cdata
         if key in self._live:
             return
@@ -228,10 +255,14 @@ class DispatchBackend:
     def _note_frames(self, tensor: Tensor) -> None:
         if not tensor.is_cpu:
             return
-        storage = tensor.untyped_storage()
-        if storage.nbytes():
-            frames = capture_frames(skip=3, depth=self.state.stack_depth)
-            self._frames_into.setdefault(storage.data_ptr(), []).append(frames)  # type: ignore[union-attr]
+        try:
+            storages = [tensor.untyped_storage()]
+        except (NotImplementedError, RuntimeError):  # a sparse tensor: its indices and values are its allocations
+            storages = [part.untyped_storage() for part in layout_parts(tensor) or ()]
+        for storage in storages:
+            if storage.nbytes():
+                frames = capture_frames(skip=3, depth=self.state.stack_depth)
+                self._frames_into.setdefault(storage.data_ptr(), []).append(frames)  # type: ignore[union-attr]
 
     def _refresh_sizes(self, args: tuple) -> None:
         if self._frames_into is not None:

@@ -35,17 +35,36 @@ def storage_of(ref: Any) -> torch.UntypedStorage | None:
     return storage
 
 
+def layout_parts(tensor: Tensor) -> list[Tensor] | None:
+    """The dense tensors a sparse tensor holds its memory in (a COO tensor's indices and values, a compressed one's
+    index arrays and values), or None for a strided tensor, which holds its own.
+
+    A sparse tensor has no storage of its own (``untyped_storage()`` raises): the gradient of an
+    ``nn.Embedding(sparse=True)``, SGD's momentum for it. Other layouts without a storage (MKL-DNN) give no parts.
+    """
+    layout = tensor.layout
+    if layout is torch.strided:
+        return None
+    if layout is torch.sparse_coo:
+        return [tensor._indices(), tensor._values()]
+    if layout is torch.sparse_csr or layout is torch.sparse_bsr:
+        return [tensor.crow_indices(), tensor.col_indices(), tensor.values()]
+    if layout is torch.sparse_csc or layout is torch.sparse_bsc:
+        return [tensor.ccol_indices(), tensor.row_indices(), tensor.values()]
+    return []
+
+
 def wrapped_tensors(tensor: Tensor) -> list[Tensor] | None:
-    """The tensors a wrapper subclass holds its memory in (a DTensor's local shard), or None for a tensor that holds
-    its own (plain tensors, fake tensors).
+    """The tensors a wrapper subclass holds its memory in (a DTensor's local shard), or a sparse tensor (its indices
+    and values), or None for a tensor that holds its own (plain tensors, fake tensors).
 
     A wrapper's own storage is no memory: reading its pointer fails, and its bytes are its inner tensors'.
     """
     if type(tensor) in PLAIN_TENSORS:
-        return None
+        return layout_parts(tensor)
     flatten = getattr(tensor, "__tensor_flatten__", None)
     if flatten is None:
-        return None
+        return layout_parts(tensor)
     try:
         names, _ = flatten()
         inner = [getattr(tensor, name) for name in names]

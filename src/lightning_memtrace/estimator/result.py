@@ -35,6 +35,9 @@ class Estimate:
             model without attention.
         compiled: The module (or a submodule) was compiled with ``torch.compile``; the estimate ran it eagerly, and
             a compiled graph may save less for backward than the eager ops do.
+        sparse_gradients: The model has an ``nn.Embedding`` or ``nn.EmbeddingBag`` with ``sparse=True``. Its gradient
+            (and an optimizer's state made from it, SGD's momentum) is a sparse tensor whose size follows the rows a
+            batch touches, which fake tensors do not know: the estimate counts it as empty.
         values_read: Where the step read a tensor value that the estimate answered without having it (``file:line in
             function``, at most 8): a floating-point value with 0.0 (``loss.item()`` to log it), a NaN or infinity
             check as for finite values. Empty where the step read none.
@@ -56,6 +59,7 @@ class Estimate:
     sharding: str = ""
     compiled: bool = False
     values_read: tuple[str, ...] = ()
+    sparse_gradients: bool = False
 
     def __repr__(self) -> str:
         """One line, as :meth:`describe` with the peak (the rows are in ``records``, the table in :meth:`table`)."""
@@ -128,6 +132,7 @@ class Estimate:
             "sharding": self.sharding,
             "compiled": self.compiled,
             "values_read": list(self.values_read),
+            "sparse_gradients": self.sparse_gradients,
             "peak_bytes": self.peak_bytes,
             "phase_peaks": {p.value: v for p, v in self.phase_peaks().items()},
             "categories": {c.value: v for c, v in self.category_bytes().items()},
@@ -179,6 +184,10 @@ class Estimate:
             parts.append(f"FSDP2 over {self.world_size} ranks (rank 0)")
         if self.compiled:
             parts.append("compiled module estimated eagerly (a compiled graph may save less)")
+        if self.sparse_gradients:
+            parts.append(
+                "sparse gradients (Embedding(sparse=True)) counted as empty: their size follows the batch's rows"
+            )
         if self.values_read:
             parts.append(f"tensor values read answered as for finite values (at {'; '.join(self.values_read)})")
         return ", ".join(parts)

@@ -24,7 +24,7 @@ from lightning_memtrace.estimator.batch_values import answered_as_the_batch
 from lightning_memtrace.capture.frames import traceback_frames
 from lightning_memtrace.capture.storages import memory_tensors, unique_storages
 from lightning_memtrace.estimator.closed_form import closed_form
-from lightning_memtrace.analysis.frames import format_frame, user_frame
+from lightning_memtrace.analysis.frames import asking_frame, format_frame
 from lightning_memtrace.estimator.fake import (
     fake_copy,
     fake_mode,
@@ -238,6 +238,7 @@ def _estimate(
         attention=attention_label(attn_implementation(model), kernels, emulate_cuda),
         compiled=compiled,
         values_read=tuple(values_read.places),
+        sparse_gradients=_has_sparse_gradients(model),
     )
 
 
@@ -280,7 +281,7 @@ def _needs_values(error: Exception, model: nn.Module) -> str:
     frames = traceback_frames(error, depth=64)
     text = (
         f"the training step needs tensor values, which an estimate on fake tensors does not have ({error}, at "
-        f"{format_frame(user_frame(frames))}): a step whose shapes or branches follow values (boolean-mask "
+        f"{format_frame(asking_frame(frames))}): a step whose shapes or branches follow values (boolean-mask "
         "indexing, nonzero, torch.where with one argument, an integer .item(), an if on a tensor other than a NaN or "
         "infinity check, a loop over the experts a batch is routed to) cannot be estimated"
     )
@@ -373,6 +374,14 @@ def _prepare(model: nn.Module, prepare: Callable[[nn.Module], Any], mode: Any) -
 
 def _checkpointing_on(model: nn.Module) -> bool:
     return any(getattr(sub, "gradient_checkpointing", False) is True for sub in model.modules())
+
+
+def _has_sparse_gradients(model: nn.Module) -> bool:
+    """Whether an embedding of the model makes sparse gradients (``sparse=True``, a trainable weight)."""
+    return any(
+        isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse and sub.weight.requires_grad
+        for sub in model.modules()
+    )
 
 
 # ------------------------------------------------------------------------------------------------ the optimizer
