@@ -78,3 +78,29 @@ def test_estimate_under_manual_optimization_warns_once_and_measures(tmp_path):
     phases = pd.read_csv(callback.output_dir / "phases_rank0.csv")
     assert (phases.phase == "after_optimizer_step").sum() == 4  # two optimizer steps in each of two batches
     assert not (callback.output_dir / "estimate_vs_measured_rank0.csv").exists()
+
+
+class _WithAdafactor(MLP):
+    def configure_optimizers(self):
+        from transformers.optimization import Adafactor
+
+        return Adafactor(self.parameters(), lr=1e-3, relative_step=False, scale_parameter=False)
+
+
+def test_an_optimizer_that_calls_the_closure_under_no_grad_is_estimated_as_lightning_runs_it(tmp_path):
+    """transformers' Adafactor runs ``step`` under ``no_grad`` and calls the closure there; Lightning's closure turns
+    gradients on again, and so does the estimate's (its backward used to fail: the run went unestimated)."""
+    pytest.importorskip("transformers")
+    callback = MemTrace(estimate=True, what_if_budget_s=0, report=False)
+    module = _WithAdafactor()
+    trainer(tmp_path, [callback], max_steps=3).fit(module)
+    assert callback.estimated is not None and callback.estimated.optimizer == "Adafactor"
+    rows = pd.read_csv(callback.output_dir / "estimate_vs_measured_rank0.csv").set_index("category")
+    # factored second moments: a row and a column per matrix, a full vector per bias, and a step count per parameter
+    matrices = [p for p in module.parameters() if p.dim() == 2]
+    vectors = [p for p in module.parameters() if p.dim() == 1]
+    factored = sum((p.shape[0] + p.shape[1]) * 4 for p in matrices) + sum(p.numel() * 4 for p in vectors)
+    assert rows.loc["optimizer_state", "measured_bytes"] >= factored
+    assert rows.loc["optimizer_state", "estimated_bytes"] == rows.loc["optimizer_state", "measured_bytes"]
+    assert rows.loc["gradients", "estimated_bytes"] == unique_storage_bytes(module.parameters())
+    assert abs(rows.loc["peak", "error_percent"]) < 0.1

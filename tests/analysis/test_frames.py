@@ -91,12 +91,18 @@ def test_asking_frame_is_the_users_line_else_a_librarys_own_code_outside_torchs_
         f"{site}/torch/_ops.py",
         f"{site}/torch/_tensor.py",
         f"{site}/torch/overrides.py",
-        "/src/lightning_memtrace/estimator/loop.py",
+        "/src/lightning_memtrace/estimator/tensor_values.py",
     ]
-    optimizer = _frames(*machinery, f"{site}/torch/optim/lbfgs.py", f"{site}/lightning/pytorch/loops/fit_loop.py")
+    estimate_loop = "/src/lightning_memtrace/estimator/loop.py"
+    fit_loop = f"{site}/lightning/pytorch/loops/fit_loop.py"
+    # the optimizer's own code asked; the user's line beyond the loops only started the fit
+    optimizer = _frames(*machinery, f"{site}/torch/optim/lbfgs.py", f"{site}/torch/optim/optimizer.py", fit_loop, USER)
     assert asking_frame(optimizer) is optimizer[len(machinery)]
-    with_user = _frames(*machinery, f"{site}/torch/nn/functional.py", USER)
-    assert asking_frame(with_user) is with_user[-1] is user_frame(with_user)
+    in_estimate = _frames(*machinery, f"{site}/torch/optim/asgd.py", estimate_loop, USER)
+    assert asking_frame(in_estimate) is in_estimate[len(machinery)]
+    # inside the step, the user's line is named, also where a library it called asked
+    with_user = _frames(*machinery, f"{site}/torchmetrics/metric.py", USER, estimate_loop, "/home/me/run.py")
+    assert asking_frame(with_user) is with_user[len(machinery) + 1] is user_frame(with_user)
     only_machinery = _frames(*machinery)
     assert asking_frame(only_machinery) is user_frame(only_machinery) is only_machinery[0]
     assert asking_frame([]) is None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
@@ -38,13 +40,28 @@ def test_a_storage_held_twice_counts_once_under_the_first_category():
     assert named.totals[Category.OPTIMIZER_STATE] == 2 * (16 * 8 + 8) * 4 + 2 * 4
 
 
+def test_a_sparse_tensor_is_named_by_its_indices_and_values():
+    counter = CategoryCounter(torch.device("cpu"))
+    plain = torch.zeros(10)
+    coo = torch.eye(3).to_sparse()  # no storage of its own: a 2x3 int64 index and 3 float values
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "Sparse CSR tensor support is in beta state"
+        # 5 row pointers and 4 column indices (int64), 4 values
+        csr = torch.sparse_csr_tensor(torch.arange(5), torch.arange(4), torch.ones(4), (4, 4))
+    named = NamedStorages()
+    counter._collect([plain, coo, csr], named, Category.GRADIENTS)
+    assert len(named.storages) == 1 + 2 + 3
+    assert coo._values().untyped_storage()._cdata in named.storages
+    assert named.totals[Category.GRADIENTS] == 40 + (6 * 8 + 3 * 4) + (5 * 8 + 4 * 8 + 4 * 4)
+
+
 def test_tensors_without_a_plain_storage_are_skipped_and_the_rest_still_named():
     counter = CategoryCounter(torch.device("cpu"))
     plain = torch.zeros(10)
-    sparse = torch.eye(3).to_sparse()  # a CPU tensor whose storage cannot be read
+    opaque = torch.zeros(3).to_mkldnn()  # a CPU tensor whose storage cannot be read, nor any parts of it
     meta = torch.empty(100, device="meta")  # another device
     other = torch.zeros(3, dtype=torch.float64)
-    for tensors in ([plain, sparse, plain[2:]], [plain, meta, plain[2:]]):
+    for tensors in ([plain, opaque, plain[2:]], [plain, meta, plain[2:]]):
         named = NamedStorages()
         counter._collect(tensors, named, Category.OPTIMIZER_STATE)
         assert list(named.storages) == [plain.untyped_storage()._cdata]

@@ -170,6 +170,20 @@ def test_a_read_in_the_optimizers_own_code_is_named_there():
     assert place.replace("\\", "/").split(":")[0].endswith("torch/optim/lbfgs.py") and place.endswith(" in step")
 
 
+def test_a_float_read_in_the_optimizers_step_is_named_in_the_optimizer():
+    """ASGD reads its step size with ``.item()``: the place named is in ``torch/optim``, not the line of this file
+    that called ``estimate`` (which only started the step)."""
+    estimated = estimate(
+        torch.nn.Linear(8, 1),
+        torch.zeros(4, 8),
+        optimizer_factory=lambda model: torch.optim.ASGD(model.parameters(), foreach=False),
+        device="cpu",
+    )
+    assert estimated.values_read
+    assert all("/torch/optim/" in place.replace("\\", "/") for place in estimated.values_read), estimated.values_read
+    assert not any(__file__ in place for place in estimated.values_read)
+
+
 def test_other_fake_modes_keep_torchs_answer():
     """Only the estimate's fake mode answers reads: one of torch.compile's (or a user's) still raises."""
     from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode

@@ -63,20 +63,28 @@ def user_frame(frames: list[Frame] | None) -> Frame | None:
 #: Where torch's own machinery runs (dispatch, fake tensors, dynamo's wrappers) and MemTrace's: never the code
 #: that asked for something, only the way the asking went.
 _MACHINERY_RE = re.compile(r"/torch/(_[^/]*|utils/_[^/]*|overrides\.py)(/|$)|/lightning_memtrace/")
+#: What drives a training step (the Trainer's loops, the estimate's own): a user's line beyond it called the step
+#: (``trainer.fit(model)``), it did not ask.
+_DRIVER_RE = re.compile(r"/(lightning|pytorch_lightning|lightning_fabric)/|/lightning_memtrace/estimator/loop\.py$")
 
 
 def asking_frame(frames: list[Frame] | None) -> Frame | None:
-    """The code that asked for what an error is about: the user's line (:func:`user_frame`) where there is one, else
-    the innermost frame outside torch's machinery and MemTrace (a library's own code that asked: ``torch/optim/
-    lbfgs.py`` reading a loss), else as :func:`user_frame`."""
-    frame = user_frame(frames)
-    if frame is None or not is_library_file(str(frame.get("filename", ""))):
-        return frame
-    for candidate in frames or ():
-        filename = normalize_path(str(candidate.get("filename", "")))
-        if filename.endswith(".py") and not _MACHINERY_RE.search(filename):
-            return candidate
-    return frame
+    """The code that asked for what an error is about, innermost first: the user's line inside the step where there
+    is one (``loss.item()`` in ``training_step``, also when a library it called asked), else the innermost library
+    frame outside torch's machinery and MemTrace (``torch/optim/lbfgs.py`` reading the loss in the optimizer's
+    step), else as :func:`user_frame`."""
+    library = None
+    for frame in frames or ():
+        filename = normalize_path(str(frame.get("filename", "")))
+        if _DRIVER_RE.search(filename):
+            break
+        if not filename.endswith(".py") or _MACHINERY_RE.search(filename):
+            continue
+        if not is_library_file(filename):
+            return frame
+        if library is None:
+            library = frame
+    return library if library is not None else user_frame(frames)
 
 
 def format_frame(frame: Frame | None) -> str:

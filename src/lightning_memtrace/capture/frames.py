@@ -14,6 +14,8 @@ from lightning_memtrace.types import Frame
 _FRAME_CACHE: dict[tuple[object, int], Frame] = {}
 _FRAME_CACHE_LIMIT = 200_000
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # lightning_memtrace/
+#: A prefix no file name starts with (a NUL byte).
+_NO_FILE = "\0"
 # torch's wrappers around a dispatch mode's handler: not where the allocation was asked for.
 _DISPATCH_FILES = (
     os.path.join("_dynamo", "eval_frame.py"),
@@ -22,8 +24,9 @@ _DISPATCH_FILES = (
 )
 
 
-def capture_frames(skip: int = 1, depth: int = 48) -> list[Frame]:
-    """The calling stack as snapshot frames, skipping MemTrace's own frames.
+def capture_frames(skip: int = 1, depth: int = 48, own_frames: bool = False) -> list[Frame]:
+    """The calling stack as snapshot frames, skipping MemTrace's own frames (unless ``own_frames``: to tell what
+    MemTrace's estimate called from what called it).
 
     Frame dicts are shared between events with the same code location, as PyTorch's pickles share them, which keeps
     snapshots small.
@@ -31,9 +34,10 @@ def capture_frames(skip: int = 1, depth: int = 48) -> list[Frame]:
     frame: FrameType | None = sys._getframe(skip)
     out: list[Frame] = []
     cache = _FRAME_CACHE
+    skipped = _NO_FILE if own_frames else _PACKAGE_DIR
     while frame is not None and len(out) < depth:
         code = frame.f_code
-        if code.co_filename.startswith(_PACKAGE_DIR) or (not out and code.co_filename.endswith(_DISPATCH_FILES)):
+        if code.co_filename.startswith(skipped) or (not out and code.co_filename.endswith(_DISPATCH_FILES)):
             frame = frame.f_back
             continue
         key = (code, frame.f_lineno)
@@ -48,13 +52,15 @@ def capture_frames(skip: int = 1, depth: int = 48) -> list[Frame]:
     return out
 
 
-def traceback_frames(exception: BaseException, depth: int = 48) -> list[Frame]:
-    """Where an exception was raised, from its traceback, innermost frame first, without MemTrace's own frames."""
+def traceback_frames(exception: BaseException, depth: int = 48, own_frames: bool = False) -> list[Frame]:
+    """Where an exception was raised, from its traceback, innermost frame first, without MemTrace's own frames
+    (unless ``own_frames``)."""
     out: list[Frame] = []
     tb = exception.__traceback__
+    skipped = _NO_FILE if own_frames else _PACKAGE_DIR
     while tb is not None:
         code = tb.tb_frame.f_code
-        if not code.co_filename.startswith(_PACKAGE_DIR):
+        if not code.co_filename.startswith(skipped):
             out.append({"filename": code.co_filename, "line": tb.tb_lineno, "name": code.co_name})
         tb = tb.tb_next
     out.reverse()

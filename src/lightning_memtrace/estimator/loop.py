@@ -184,8 +184,12 @@ class LightningLoop:
         self.recorder.end_batch(next_step=self.global_step)
         self.clear()
 
+    @torch.enable_grad()
     def closure(self) -> Tensor | None:
-        """Lightning's ``Closure``: training_step, zero_grad on the first batch of a window, backward."""
+        """Lightning's ``Closure``: training_step, zero_grad on the first batch of a window, backward.
+
+        Under ``enable_grad`` as Lightning's is: an optimizer may call it under ``no_grad`` (transformers' Adafactor).
+        """
         recorder, result = self.recorder, self.result
         with _autocast(self.device.type, self.precision.autocast_dtype), _default_dtype(self.precision.param_dtype):
             if self.lightning:

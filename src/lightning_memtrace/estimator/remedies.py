@@ -313,30 +313,14 @@ def _adamw_8bit_class(fake: bool) -> type:
     return AdamW8bit
 
 
-def _adafactor_class() -> type:
-    from transformers.optimization import Adafactor as HFAdafactor
-
-    class Adafactor(HFAdafactor):
-        """transformers' Adafactor whose closure runs with gradients on (Lightning passes the forward and backward as
-        the closure; transformers' ``step`` would run it under ``no_grad``)."""
-
-        def step(self, closure: Callable[[], Any] | None = None) -> Any:
-            loss = None
-            if closure is not None:
-                with torch.enable_grad():
-                    loss = closure()
-            super().step()
-            return loss
-
-    return Adafactor
-
-
 def build_optimizer(name: str, params: Iterable[torch.Tensor], lr: float = 1e-3, fake: bool = False) -> Any:
     """The remedy's optimizer on ``params``: ``adafactor`` (transformers' Adafactor, fixed ``lr``, no momentum) or
     ``adamw_8bit`` (bitsandbytes' AdamW8bit). ``fake``: for fake parameters (the estimate)."""
     params = [p for p in params if p.requires_grad]
     if name == "adafactor":
-        return _adafactor_class()(params, lr=lr, scale_parameter=False, relative_step=False, warmup_init=False)
+        from transformers.optimization import Adafactor
+
+        return Adafactor(params, lr=lr, scale_parameter=False, relative_step=False, warmup_init=False)
     if name == "adamw_8bit":
         return _adamw_8bit_class(fake)(params, lr=lr)
     raise ValueError(f"unknown optimizer {name!r}")

@@ -278,7 +278,7 @@ def estimate_for_module(
 
 def _needs_values(error: Exception, model: nn.Module) -> str:
     """One line for a step that asked a fake tensor for a value: the op, the line that asked, what to do."""
-    frames = traceback_frames(error, depth=64)
+    frames = traceback_frames(error, depth=128, own_frames=True)
     text = (
         f"the training step needs tensor values, which an estimate on fake tensors does not have ({error}, at "
         f"{format_frame(asking_frame(frames))}): a step whose shapes or branches follow values (boolean-mask "

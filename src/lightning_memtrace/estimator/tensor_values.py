@@ -30,7 +30,7 @@ import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_memtrace.analysis.frames import format_frame, user_frame
+from lightning_memtrace.analysis.frames import asking_frame, format_frame
 from lightning_memtrace.capture.frames import capture_frames
 
 aten = torch.ops.aten
@@ -39,8 +39,9 @@ _READ_OPS = (aten._local_scalar_dense.default, aten.item.default)
 _ATTRIBUTE = "_memtrace_values_read"
 #: Where answers are made, most places a step's reads are named for.
 _MOST_PLACES = 8
-#: Frames read above a read: the fake mode's dispatch lies between the user's line and the answer.
-_READ_DEPTH = 64
+#: Frames read above a read: the fake mode's dispatch (and MemTrace's own modes) lie between the user's line and the
+#: answer.
+_READ_DEPTH = 128
 
 
 class FiniteCheckNeeded(DataDependentOutputException):
@@ -56,7 +57,7 @@ class ValuesRead:
 
     def note(self) -> None:
         if len(self.places) < _MOST_PLACES:
-            place = format_frame(user_frame(capture_frames(depth=_READ_DEPTH)))
+            place = format_frame(asking_frame(capture_frames(depth=_READ_DEPTH, own_frames=True)))
             if place not in self.places:
                 self.places.append(place)
 
