@@ -113,6 +113,21 @@ def test_value_reads_a_run_takes_the_usual_path_on_are_estimated_as_without_them
     assert result.as_dict()["values_read"] == list(result.values_read)
 
 
+def test_autograds_anomaly_mode_checks_are_estimated_as_without_them(plain):
+    """``Trainer(detect_anomaly=True)``: autograd checks every gradient with ``isnan(grad)._is_any_true()``, which
+    stopped the estimate ("needs tensor values")."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "Anomaly Detection has been enabled"
+        with torch.autograd.detect_anomaly():
+            result = _estimate(lambda model, batch: _plain(model, batch))  # not _plain: its estimates run once
+    assert [r.phase for r in result.records] == [r.phase for r in plain.records]
+    for checked, base in zip(result.records, plain.records):
+        assert checked.allocated_bytes == base.allocated_bytes
+        assert 0 <= checked.peak_bytes - base.peak_bytes <= 64  # the checks' one-byte results, as in a real run
+    assert result.category_bytes() == plain.category_bytes()
+    assert result.values_read  # the engine's checks are named (no line of the user's asked)
+
+
 def test_the_places_read_are_named(plain):
     _logs_item.seen = []
     result = _estimate(_logs_item)

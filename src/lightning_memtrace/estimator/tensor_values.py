@@ -153,6 +153,8 @@ _TRUTH_REDUCTIONS = {
     aten.all.default: all,
     aten.all.dim: all,
     aten.all.dims: all,
+    # autograd's anomaly mode (``Trainer(detect_anomaly=True)``) checks every gradient: ``isnan(grad)._is_any_true()``
+    aten._is_any_true.default: any,
 }
 _COMPARISONS = {
     aten.eq.Tensor: lambda a, b: a == b,
