@@ -435,3 +435,23 @@ def test_a_failure_counting_an_operators_output_leaves_training_as_it_was(tmp_pa
     assert len(switched_off) == 1
     assert "counting the allocations of an operator failed" in switched_off[0]
     assert "Cannot access storage of SomeTensorImpl" in switched_off[0]
+
+
+@pytest.mark.parametrize(
+    ("trainer_kwargs", "snapshot"),
+    [
+        ({"fast_dev_run": True}, "snapshot_rank0_steps0-0.pickle"),
+        ({"max_steps": 1}, "snapshot_rank0_steps0-0.pickle"),
+        ({"max_epochs": 1, "limit_train_batches": 2}, "snapshot_rank0_steps1-1.pickle"),
+        ({"max_steps": 4}, "snapshot_rank0_steps1-2.pickle"),
+        # validation after the last step takes rows at the next step's number: the window still ends at step 1
+        ({"max_steps": 2, "limit_val_batches": 2, "val_check_interval": 2}, "snapshot_rank0_steps1-1.pickle"),
+    ],
+)
+def test_a_fit_shorter_than_the_history_window_still_writes_a_snapshot(tmp_path, trainer_kwargs, snapshot):
+    """The window skips the first step; a fit of one step (``fast_dev_run``, a smoke test) used to end without any
+    snapshot. The Trainer says how many steps the fit will take: the window takes its last steps then."""
+    callback = MemTrace(dirpath=tmp_path / "mt", report=False)
+    kwargs = {"max_steps": -1, **trainer_kwargs}
+    trainer(tmp_path, [callback], **kwargs).fit(MLP())
+    assert sorted(p.name for p in (tmp_path / "mt").glob("snapshot_*.pickle")) == [snapshot]

@@ -167,3 +167,30 @@ def test_memtrace_category_rules_reach_the_header_summary_and_report(tmp_path, c
 
     html = (Path(callback.output_dir) / "report.html").read_text(encoding="utf-8")
     assert "<code>linear_out=" in html
+
+
+def _steps_recorded(tmp_path, steps: int, last_step: int | None) -> list[str]:
+    model = torch.nn.Linear(16, 16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with MemoryRecorder(model, [optimizer], output_dir=tmp_path, history_skip_steps=1, history_steps=2) as recorder:
+        recorder.expect_last_step(last_step)
+        for step in range(steps):
+            recorder.begin_batch(None, step=step)
+            model(torch.randn(4, 16)).sum().backward()
+            recorder.mark_backward_done()
+            optimizer.step()
+            optimizer.zero_grad()
+            recorder.end_batch(next_step=step + 1)
+    return sorted(path.name for path in tmp_path.glob("snapshot_*.pickle"))
+
+
+def test_a_run_that_ends_before_the_window_gets_one_over_its_last_steps(tmp_path):
+    # a run of unknown length: the window waits for step 1
+    assert _steps_recorded(tmp_path / "one", 1, last_step=None) == []
+    assert _steps_recorded(tmp_path / "known", 1, last_step=0) == ["snapshot_rank0_steps0-0.pickle"]
+    assert _steps_recorded(tmp_path / "two", 2, last_step=1) == ["snapshot_rank0_steps1-1.pickle"]
+    assert _steps_recorded(tmp_path / "long", 5, last_step=4) == ["snapshot_rank0_steps1-2.pickle"]  # as before
+    with open(tmp_path / "known" / "snapshot_rank0_steps0-0.pickle", "rb") as handle:
+        snapshot = pickle.load(handle)
+    assert snapshot["memtrace"]["steps"] == [0, 0]
+    assert any(e["action"] == "alloc" for e in snapshot["device_traces"][0])

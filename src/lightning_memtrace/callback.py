@@ -27,6 +27,7 @@ from lightning_memtrace.trainer import extras, ranks
 from lightning_memtrace.trainer.cadence import (
     RowMaxima,
     accumulating,
+    last_step_of_fit,
     lightning_logs_now,
     log_step,
     log_to_loggers,
@@ -160,7 +161,8 @@ class MemTrace(Callback):
         history: Record the allocator's history for a window of steps and write a snapshot. On CUDA, where you
             record it yourself already (``torch.cuda.memory._record_memory_history``), the window reads your
             recording as it is and leaves it on.
-        history_skip_steps: Steps of the run before the window opens (default 1: skip the first step).
+        history_skip_steps: Steps of the run before the window opens (default 1: skip the first step). A fit that
+            ends before then (``fast_dev_run``, ``max_steps=1``) records its last ``history_steps`` steps instead.
         history_steps: Steps in the window (default 2).
         max_entries: Ring-buffer size of the history, in events.
         frames_min_bytes: Outside the window, the dispatch-mode CPU tracker records a stack only for allocations at
@@ -361,6 +363,7 @@ class MemTrace(Callback):
             on_record=self._on_record,
             run_id=self.run_id,
         )
+        self.recorder.expect_last_step(last_step_of_fit(trainer))
         self.recorder.start()
         if self.recorder.tracker is not None:
             self.tracker_backend = self.recorder.tracker.backend

@@ -203,6 +203,11 @@ class MemoryRecorder:
         return tracker, device_counters if device_counters is not None else TrackerCounters(tracker), config
 
     # ------------------------------------------------------------------------------------------------ lifecycle
+    def expect_last_step(self, step: int | None) -> None:
+        """The last step the run will reach (None: unknown). A run that ends before the history window would open
+        (``history_skip_steps``) gets the window over its last ``history_steps`` steps instead of no snapshot."""
+        self.window.run_last_step = None if step is None else int(step)
+
     def start(self) -> MemoryRecorder:
         if self.started:
             return self

@@ -82,7 +82,8 @@ def cuda_reserved(device: torch.device) -> int:
 
 @dataclasses.dataclass(eq=False)
 class HistoryWindow:
-    """Opens the window ``history_skip_steps`` steps into the run, for ``history_steps`` steps, once per recorder.
+    """Opens the window ``history_skip_steps`` steps into the run, for ``history_steps`` steps, once per recorder (in
+    a run known to end before that, over its last ``history_steps`` steps).
 
     Inside it the tracker (or, on CUDA, the caching allocator) records every allocation with its stack; at its end the
     snapshot ``snapshot_rank<R>_steps<a>-<b>.pickle`` is written with MemTrace's own header (``snapshot["memtrace"]``:
@@ -109,7 +110,12 @@ class HistoryWindow:
     sync: Callable[[], None]
     warn: Callable[[str, str], None]
     run_id: str = ""
+    #: The last step the run will reach, where known (a Trainer's ``max_steps``): a run that ends before the window
+    #: would open gets one over its last steps instead of none.
+    run_last_step: int | None = None
     _first_step: int | None = dataclasses.field(default=None, init=False)
+    # The step of the latest training batch: validation after the last one takes rows at the next step's number.
+    _last_training_step: int | None = dataclasses.field(default=None, init=False)
     _open: tuple[int, int, int] | None = dataclasses.field(default=None, init=False)  # (first, last step, time_us)
     _start_allocated: int = dataclasses.field(default=0, init=False)
     _done: bool = dataclasses.field(default=False, init=False)
@@ -131,10 +137,13 @@ class HistoryWindow:
         """At the start of a training batch: open the window if this step is its first."""
         if self._first_step is None:
             self._first_step = step
+        self._last_training_step = step
         config = self.config
         if not config.history or config.history_steps == 0 or self._done or self._open is not None:
             return
         first = self._first_step + config.history_skip_steps
+        if self.run_last_step is not None and first > self.run_last_step:
+            first = max(self._first_step, self.run_last_step - config.history_steps + 1)
         if step < first:
             return
         now_us = time.time_ns() // 1000
@@ -165,12 +174,15 @@ class HistoryWindow:
         return True
 
     def close(self, step: int) -> Path | None:
-        """Stop recording and write the window's snapshot (its last step is ``step`` if the run ended early)."""
+        """Stop recording and write the window's snapshot (its last step is ``step`` if the run ended early, or the
+        last training batch's, where validation ran after it)."""
         window, self._open = self._open, None
         if window is None:
             return None
         self._done = True
         first, planned_last, since_us = window
+        if self._last_training_step is not None:
+            step = min(step, self._last_training_step)
         last = max(first, min(planned_last, step))
         try:
             snapshot = self.snapshot_now(since_us)

@@ -26,6 +26,20 @@ def log_step(trainer: pl.Trainer) -> int:
         return int(trainer.global_step)
 
 
+def last_step_of_fit(trainer: pl.Trainer) -> int | None:
+    """The last global step this fit will reach (``estimated_stepping_batches`` less one), or None where unknown (no
+    step limit, an iterable dataset without one, data not loaded yet: nothing is loaded for this)."""
+    if trainer.max_epochs != -1 and trainer.train_dataloader is None:
+        return None
+    try:
+        total = trainer.estimated_stepping_batches
+    except Exception:  # a Trainer state this cannot be read in: the window keeps its own place
+        return None
+    if not isinstance(total, int) or total <= 0:
+        return None  # inf: no limit; -1: an iterable dataset with no max_steps
+    return total - 1
+
+
 def accumulating(trainer: pl.Trainer) -> bool:
     """This batch only accumulates gradients: Lightning logs no step metrics after it (automatic optimization)."""
     try:
