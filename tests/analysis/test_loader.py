@@ -10,6 +10,7 @@ import pickle
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +120,38 @@ def test_older_formats_and_devices() -> None:
     data, layout = normalize([{"address": 1, "total_size": 8, "blocks": [{"address": 1, "size": 8, "state": "x"}]}])
     assert layout == "segment-list"
     assert data["device_traces"] == []
+
+
+@pytest.mark.parametrize("key", ["999999999", 10**9, "-5", -5, 1.5, "1e3", True])
+def test_traces_keyed_by_anything_but_a_device_number_are_refused(key: Any) -> None:
+    """A key of a billion made a list of a billion traces: 18 GB and no end, from a 55-byte file."""
+    started = time.perf_counter()
+    with pytest.raises(SnapshotError, match=r"keyed by something other than device numbers \(0 to 1023\)"):
+        normalize({"segments": [], "device_traces": {key: []}})
+    assert time.perf_counter() - started < 1.0
+    data, _ = normalize({"segments": [], "device_traces": {"2": [], 0: [{"action": "alloc"}]}})
+    assert data["device_traces"] == [[{"action": "alloc"}], [], []]
+
+
+def test_sizes_and_times_that_are_no_whole_numbers_load_quietly(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
+    """NaN, infinity or a float beyond int64 in a hostile trace: no numpy warning on the console, and no garbage
+    (numpy casts NaN to the lowest int64): such a size counts as 0."""
+    from lightning_memtrace.analysis.replay import replay
+
+    trace = [
+        {"action": "alloc", "addr": 16, "size": 512.0, "time_us": 1.0, "frames": []},
+        {"action": "alloc", "addr": 32, "size": float("nan"), "time_us": float("nan"), "frames": []},
+        {"action": "alloc", "addr": 48, "size": float("inf"), "time_us": 3.0, "frames": []},
+        7,  # not an event: the columns are read one by one, as plain lists of floats
+        {"action": "alloc", "addr": 64, "size": 1e30, "time_us": 4.0, "frames": []},
+    ]
+    path = tmp_path / "odd.pickle"
+    path.write_bytes(pickle.dumps({"segments": [], "device_traces": [trace]}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        replayed = replay(load_snapshot(path))
+    assert replayed.devices[0].peak.live_bytes == 512
+    assert capfd.readouterr().err == ""
 
 
 class _Evil:

@@ -45,10 +45,13 @@ def as_int(value: Any) -> int:
 
 def _to_int64(values: Any, trace: list[dict[str, Any]]) -> np.ndarray:
     try:
-        out = np.asarray(values).astype(np.int64)
+        # NaN, infinity or a float too large for int64 (a hostile file) raises here instead of warning on the console
+        # and casting to garbage
+        with np.errstate(invalid="raise", over="raise"):
+            out = np.asarray(values).astype(np.int64)
         if len(out) == len(trace):
             return out
-    except (TypeError, ValueError, OverflowError):
+    except (TypeError, ValueError, OverflowError, FloatingPointError):
         pass  # some value is not a number: convert one by one below
     return np.fromiter((as_int(v) for v in values), dtype=np.int64, count=len(trace))
 
@@ -94,8 +97,9 @@ def extract_columns(trace: list[dict[str, Any]]) -> tuple[Any, np.ndarray, np.nd
         frames = column(trace, "frames", None)
     times: np.ndarray | None
     try:
-        times = np.asarray(time_col).astype(np.int64)  # a missing time (None, NaN) raises
-    except (TypeError, ValueError, OverflowError):
+        with np.errstate(invalid="raise", over="raise"):
+            times = np.asarray(time_col).astype(np.int64)  # a missing time (None, NaN) raises
+    except (TypeError, ValueError, OverflowError, FloatingPointError):
         times = None
     return actions, _to_int64(addr_col, trace), _to_int64(size_col, trace), times, frames
 

@@ -429,16 +429,31 @@ def _whole(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+#: Device numbers a snapshot's traces may be keyed by: more GPUs than any machine has, far fewer than a hostile
+#: key (``{"999999999": []}`` in a few bytes) would make lists for.
+_MOST_DEVICES = 1024
+
+
+def _device_number(key: Any) -> int | None:
+    """A trace's key as a device number: an int or a string of digits, from 0 to ``_MOST_DEVICES - 1``, else None."""
+    if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 4:
+        key = int(key)
+    number = _whole(key)
+    return number if number is not None and 0 <= number < _MOST_DEVICES else None
+
+
 def _traces_by_device(traces: dict[Any, Any], where: str) -> list[Any]:
     """Traces keyed by device number (some tools write them so) as a list."""
-    try:
-        size = max(int(k) for k in traces) + 1 if traces else 0
-    except (TypeError, ValueError):
-        raise SnapshotError(f"{where}: 'device_traces' keyed by something other than device numbers") from None
-    listed: list[Any] = [[] for _ in range(size)]
+    by_number: dict[int, Any] = {}
     for key, trace in traces.items():
-        listed[int(key)] = trace
-    return listed
+        number = _device_number(key)
+        if number is None:
+            raise SnapshotError(
+                f"{where}: 'device_traces' keyed by something other than device numbers (0 to {_MOST_DEVICES - 1}): "
+                f"{_one_line(repr(key), 40)}"
+            )
+        by_number[number] = trace
+    return [by_number.get(number, []) for number in range(max(by_number) + 1 if by_number else 0)]
 
 
 def _checked_traces(traces: Any, where: str) -> list[list[dict[str, Any]]]:
