@@ -6,7 +6,9 @@ import gzip
 import io
 import pickle
 import random
+import re
 import time
+import warnings
 import zipfile
 from contextlib import redirect_stderr
 from pathlib import Path
@@ -121,3 +123,62 @@ def test_huge_file_refused_before_loading(tmp_path):
     code, err = _run_cli(["summary", str(path), "--max-size", "1MiB"])
     assert code == 2
     assert "size limit" in err.getvalue() and len(err.getvalue().strip().splitlines()) == 1
+
+
+#: Values a hostile file may put anywhere a number, a string, a list or a dict was.
+_HOSTILE = [-1, -(10**6), 10**20, 10**400, "x", "", None, [], {}, 1.5, float("nan"), float("inf"), True, [1, "a"],
+            {"a": 1}, ("t",), b"bytes", {"-5": [{}]}, {"1": [7, {"size": float("inf")}]}]
+
+
+def _places(value, where=()):
+    """Paths into nested dicts and lists (the first and last three items of each list)."""
+    if isinstance(value, dict):
+        items = list(value.items())
+    elif isinstance(value, list):
+        indexes = list(range(len(value)))
+        items = [(k, value[k]) for k in (indexes[:3] + indexes[-3:] if len(indexes) > 6 else indexes)]
+    else:
+        return
+    for key, item in items:
+        yield (*where, key)
+        yield from _places(item, (*where, key))
+
+
+def _put(value, place, hostile):
+    """Put ``hostile`` at ``place``, unless an earlier swap took the place away."""
+    try:
+        for key in place[:-1]:
+            value = value[key]
+        value[place[-1]] = hostile
+    except (KeyError, IndexError, TypeError):
+        pass
+
+
+def test_hostile_values_anywhere_in_real_snapshots_give_a_result_or_one_line(tmp_path):
+    """Whole values swapped for hostile ones (a structural fuzzer; bytes are mutated above): every command ends with
+    exit 0 or 2, at most one line on stderr (no numpy warning), no internal error's name, and no time to speak of."""
+    seeds = [pickle.loads(_memtrace_snapshot(tmp_path))]
+    seeds += [pickle.loads((FIXTURES / name).read_bytes()) for name in SEEDS[:2] if (FIXTURES / name).is_file()]
+    places = [list(_places(seed)) for seed in seeds]
+    shallow = [[place for place in these if len(place) <= 3] for these in places]  # the snapshot's own structure
+    rng = random.Random(2026)
+    deadline = time.monotonic() + BUDGET_S / 2
+    path = tmp_path / "hostile.pickle"
+    cases = 0
+    while time.monotonic() < deadline:
+        index = rng.randrange(len(seeds))
+        data = pickle.loads(pickle.dumps(seeds[index]))
+        for _ in range(rng.randint(1, 30)):
+            _put(data, rng.choice(shallow[index] if rng.random() < 0.3 else places[index]), rng.choice(_HOSTILE))
+        path.write_bytes(pickle.dumps(data, protocol=4))
+        started = time.monotonic()
+        with warnings.catch_warnings(record=True) as shown:
+            warnings.simplefilter("always")
+            code, err = _run_cli(["summary", str(path), "--json"] if cases % 2 else ["summary", str(path)])
+        message = err.getvalue().strip()
+        assert not shown, [str(w.message) for w in shown]  # a warning would reach the console
+        assert code in (0, 2) and len(message.splitlines()) <= 1, message
+        assert not re.search(r"error: [A-Za-z]*(Error|Exception):", message), message
+        assert time.monotonic() - started < 5.0
+        cases += 1
+    assert cases > 50
