@@ -6,6 +6,7 @@ import argparse
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -265,6 +266,35 @@ def test_odd_configs_are_one_short_line(capsys, tmp_path):
         (line,) = capsys.readouterr().err.strip().splitlines()
         assert line.startswith("memtrace: error: ") and first in line and second in line
         assert len(line) < 300  # transformers' own message lists every model type it knows: thousands of characters
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        # a billion layers: transformers' config alone makes a list of one entry per layer, and never returned
+        ({"num_hidden_layers": 10**9}, "num_hidden_layers=1000000000: the estimate builds 0 to 10,000 layers"),
+        ({"n_layer": -2}, "n_layer=-2: the estimate builds 0 to 10,000 layers"),
+        ({"hidden_size": -64}, "does not build a model (RuntimeError: Trying to create tensor with negative dimension"),
+        ({"num_attention_heads": 0}, "does not build a model (ZeroDivisionError"),
+        ({"hidden_size": "64"}, "does not build a model ("),
+    ],
+)
+def test_configs_that_build_no_model_are_one_line(capsys, tmp_path, change, message):
+    path = tmp_path / "odd.json"
+    path.write_text(json.dumps({**TINY_QWEN2_CONFIG, **change}))
+    started = time.perf_counter()
+    assert main(["--config", str(path), "--batch-size", "1", "--seq-len", "8"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("memtrace: error: ") and message in line, line
+    assert time.perf_counter() - started < 30
+
+
+def test_a_config_nested_too_deeply_is_one_line(capsys, tmp_path):
+    path = tmp_path / "deep.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    assert main(["--config", str(path), "--batch-size", "1", "--seq-len", "8"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"memtrace: error: cannot read the model config {str(path)!r}: maximum recursion depth")
 
 
 def test_a_seq_len_over_the_models_positions_is_noted(capsys, one_layer):

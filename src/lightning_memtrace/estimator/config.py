@@ -36,6 +36,7 @@ def _config_of(fields: dict[str, Any]) -> Any:
     import transformers
     from transformers import AutoConfig
 
+    _check_layers(fields)
     try:
         return AutoConfig.for_model(**fields)
     except ValueError as error:
@@ -111,6 +112,27 @@ def _hub_config(hub_id: str) -> Any:
 
 class AttentionUnavailableError(ValueError):
     """The attention implementation asked for cannot be built on this machine (flash-attn not installed...)."""
+
+
+#: More layers than any model has (the largest have a few hundred); a config asking for more is a typo or hostile,
+#: and building its layers one by one would not end (10**9 layers).
+MOST_LAYERS = 10_000
+
+
+#: The names configs give their number of layers (transformers maps them to ``num_hidden_layers``).
+_LAYER_FIELDS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+
+
+def _check_layers(fields: Mapping[str, Any]) -> None:
+    """Refuse a layer count no model has, before transformers reads it (a config makes a list of one entry per
+    layer as it is built: 10**9 layers never get as far as the model)."""
+    for section in (fields, fields.get("text_config")):
+        if not isinstance(section, Mapping):
+            continue
+        for name in _LAYER_FIELDS:
+            layers = section.get(name)
+            if isinstance(layers, int) and not isinstance(layers, bool) and not 0 <= layers <= MOST_LAYERS:
+                raise ValueError(f"{name}={layers}: the estimate builds 0 to {MOST_LAYERS:,} layers")
 
 
 def build_meta_model(
