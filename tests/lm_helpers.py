@@ -185,3 +185,25 @@ def launcher_env() -> dict[str, str]:
     launches its own ranks."""
     launch = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_")
     return {k: v for k, v in os.environ.items() if not k.startswith(launch)}
+
+
+class SparseEmbedding(pl.LightningModule):
+    """An ``nn.Embedding(sparse=True)`` (its gradient a sparse COO tensor) under SGD with momentum (a sparse buffer)."""
+
+    rows, width, batch, tokens = 1000, 64, 8, 16
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = torch.nn.Embedding(self.rows, self.width, sparse=True)
+        self.head = torch.nn.Linear(self.width, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.head(self.embedding(batch).mean(1)).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    def train_dataloader(self):
+        generator = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, self.rows, (4 * self.batch, self.tokens), generator=generator)
+        return torch.utils.data.DataLoader(ids, batch_size=self.batch)

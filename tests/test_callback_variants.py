@@ -9,11 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import lightning.pytorch as pl
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning_memtrace import MemoryRecorder, MemTrace, MemTraceWarning, load_phases
 from lightning_memtrace.capture.storages import unique_storage_bytes
-from lm_helpers import MLP, TwoOptimizers, trainer
+from lm_helpers import MLP, SparseEmbedding, TwoOptimizers, trainer
 
 
 def _param_bytes(module) -> int:
@@ -344,33 +343,11 @@ def test_the_estimate_counts_buffers_and_attribute_tensors_as_the_run_does(tmp_p
     assert abs(comparison.loc["peak", "error_percent"]) < 0.1
 
 
-class _SparseEmbedding(pl.LightningModule):
-    """An ``nn.Embedding(sparse=True)`` (its gradient a sparse COO tensor) under SGD with momentum (a sparse buffer)."""
-
-    rows, width, batch, tokens = 1000, 64, 8, 16
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embedding = torch.nn.Embedding(self.rows, self.width, sparse=True)
-        self.head = torch.nn.Linear(self.width, 1)
-
-    def training_step(self, batch, batch_idx):
-        return self.head(self.embedding(batch).mean(1)).pow(2).mean()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
-
-    def train_dataloader(self):
-        generator = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, self.rows, (4 * self.batch, self.tokens), generator=generator)
-        return torch.utils.data.DataLoader(ids, batch_size=self.batch)
-
-
 @pytest.mark.parametrize("allocation_backend", ["auto", "dispatch"])
 def test_sparse_gradients_are_measured_as_gradients(tmp_path, allocation_backend):
     """A sparse gradient has no storage of its own (``untyped_storage()`` raises): its indices and values are its
     memory. Training used to stop in MemTrace's dispatch mode at the first backward; the gradient is counted now."""
-    module = _SparseEmbedding()
+    module = SparseEmbedding()
     callback = MemTrace(dirpath=tmp_path / "mt", report=False, allocation_backend=allocation_backend)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -393,7 +370,7 @@ def test_sparse_gradients_are_measured_as_gradients(tmp_path, allocation_backend
 def test_the_estimate_says_it_counts_sparse_gradients_as_empty():
     from lightning_memtrace import estimate
 
-    module = _SparseEmbedding()
+    module = SparseEmbedding()
     dense = estimate(module.head, torch.zeros(8, module.width), device="cpu")
     assert not dense.sparse_gradients and "sparse" not in dense.describe()
     sparse = estimate(module, next(iter(module.train_dataloader())), device="cpu")

@@ -12,7 +12,7 @@ import torch
 
 from lightning_memtrace import MemTrace, load_phases
 from lightning_memtrace.capture.storages import unique_storage_bytes
-from lm_helpers import MLP, TinyLM, trainer
+from lm_helpers import MLP, SparseEmbedding, TinyLM, trainer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -161,3 +161,20 @@ def test_no_phase_tag_outlives_the_window_on_any_thread(tmp_path):
     allocs = [e for e in snapshot["device_traces"][0] if e["action"] == "alloc"]
     assert len(allocs) > 20
     assert not [e.get("user_metadata") for e in allocs if e.get("user_metadata")]
+
+
+def test_sparse_gradients_on_cuda_are_named_gradients(tmp_path):
+    """An ``Embedding(sparse=True)``'s gradient on the device: its indices and values count as gradients, and a
+    one-step fit (``fast_dev_run``) still writes its window snapshot."""
+    callback = MemTrace(dirpath=tmp_path / "mt", report=False)
+    module = SparseEmbedding()
+    _gpu_trainer(tmp_path, [callback], max_steps=3).fit(module)
+    phases = load_phases(tmp_path / "mt")
+    looked_up = module.batch * module.tokens
+    sparse_grad = looked_up * 8 + looked_up * module.width * 4
+    after_backward = phases[phases.phase == "after_backward"]
+    assert (after_backward.gradients_bytes == sparse_grad + unique_storage_bytes(module.head.parameters())).all()
+    assert sorted(p.name for p in (tmp_path / "mt").glob("snapshot_*.pickle")) == ["snapshot_rank0_steps1-2.pickle"]
+    short = MemTrace(dirpath=tmp_path / "short", report=False)
+    _gpu_trainer(tmp_path, [short], fast_dev_run=True).fit(SparseEmbedding())
+    assert [p.name for p in (tmp_path / "short").glob("snapshot_*.pickle")] == ["snapshot_rank0_steps0-0.pickle"]
