@@ -145,6 +145,24 @@ def test_error_paths_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert not out.exists()
 
 
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"", "phases_rank0.csv is empty, not a MemTrace phases CSV"),  # pandas said "No columns to parse from file"
+        (b"\x98\xff\x00binary", "phases_rank0.csv is not text, not a MemTrace phases CSV"),
+        (b"phase,step\nbatch_start,0\n", "is not a MemTrace phases CSV: missing columns"),
+    ],
+)
+def test_a_log_folder_whose_phases_csv_is_no_such_csv_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: bytes, message: str
+) -> None:
+    folder = tmp_path / "memtrace"
+    folder.mkdir()
+    (folder / "phases_rank0.csv").write_bytes(content)
+    for argv in (["summary", str(folder)], ["report", str(folder), "-o", str(tmp_path / "r.html")]):
+        assert_one_line_error(capsys, run_main(argv), message)
+
+
 def test_builtin_subcommands() -> None:
     parser = cli.build_parser()
     choices = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices

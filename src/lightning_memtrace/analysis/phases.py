@@ -44,7 +44,12 @@ def load_phases(path_or_log_dir: str | os.PathLike) -> pd.DataFrame:
         raise FileNotFoundError(f"no MemTrace phases CSV (phases_rank<R>.csv) found at {path_or_log_dir}")
     frames = []
     for file in files:
-        frame = pd.read_csv(file, on_bad_lines="skip")
+        try:
+            frame = pd.read_csv(file, on_bad_lines="skip")
+        except pd.errors.EmptyDataError:
+            raise ValueError(f"{file} is empty, not a MemTrace phases CSV") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"{file} is not text, not a MemTrace phases CSV") from None
         if "run" not in frame.columns:  # a CSV from before run ids: its folder tells its run apart
             frame["run"] = str(file.parent)
         for column, value in LATER_COLUMNS.items():
