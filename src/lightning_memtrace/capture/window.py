@@ -110,8 +110,8 @@ class HistoryWindow:
     sync: Callable[[], None]
     warn: Callable[[str, str], None]
     run_id: str = ""
-    #: The last step the run will reach, where known (a Trainer's ``max_steps``): a run that ends before the window
-    #: would open gets one over its last steps instead of none.
+    #: The last step the run will reach, where known (the Trainer's ``estimated_stepping_batches`` less one): a run
+    #: that ends before the window would open gets one over its last steps instead of none.
     run_last_step: int | None = None
     _first_step: int | None = dataclasses.field(default=None, init=False)
     # The step of the latest training batch: validation after the last one takes rows at the next step's number.

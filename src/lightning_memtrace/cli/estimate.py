@@ -304,14 +304,14 @@ def _meta_model(args: argparse.Namespace) -> Any:
     except AttentionUnavailableError:
         raise
     except (OSError, ValueError, RecursionError) as error:
-        raise ValueError(f"cannot read the model config {args.config!r}: {_first_line(error)}") from None
+        raise ValueError(f"cannot read the model config {args.config!r}: {_on_one_line(error)}") from None
     except Exception as error:  # transformers' own check of a field, or a size no layer can be built with
         raise ValueError(
-            f"the model config {args.config!r} does not build a model ({type(error).__name__}: {_first_line(error)})"
+            f"the model config {args.config!r} does not build a model ({type(error).__name__}: {_on_one_line(error)})"
         ) from None
 
 
-def _first_line(error: BaseException, limit: int = 240) -> str:
+def _on_one_line(error: BaseException, limit: int = 240) -> str:
     """The error's message on one line (pydantic-style validation errors spread theirs over several)."""
     text = " ".join(str(error).split()) or type(error).__name__
     return text if len(text) <= limit else text[: limit - 3] + "..."
