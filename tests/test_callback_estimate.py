@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pandas as pd
 import pytest
@@ -39,12 +40,18 @@ def test_estimate_logged_and_compared_with_the_run(tmp_path):
     assert round(metrics["memtrace/estimate/parameters"].dropna().iloc[0] * 1024**2) == pbytes
 
 
-def test_estimate_writes_what_would_fit(tmp_path):
+def test_estimate_writes_what_would_fit(tmp_path, caplog):
     callback = MemTrace(estimate=True, history=False)
     module = MLP()
-    trainer(tmp_path, [callback], max_steps=2).fit(module)
+    with caplog.at_level(logging.INFO):
+        trainer(tmp_path, [callback], max_steps=2).fit(module)
     folder = callback.output_dir
     assert callback.what_if_path == folder / "what_if_rank0.csv"
+    # the fit has ended on the console: two lines say what the seconds after it are spent on, and where it went
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("MemTrace: ")]
+    assert said[0].startswith("MemTrace: estimating what would fit") and "for up to 60 s" in said[0]
+    assert said[1].startswith(f"MemTrace: what would fit: {callback.what_if_path} (") and said[1].endswith(" s)")
+    assert len(said) == 2
     written = pd.read_csv(callback.what_if_path)
 
     first = next(iter(module.train_dataloader()))

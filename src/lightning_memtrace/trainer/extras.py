@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -103,8 +104,14 @@ def write_what_if(trainer: pl.Trainer, batch: Any, folder: Path | None, rank: in
     ``what_if_rank<R>.json`` (everything, see :meth:`~lightning_memtrace.estimator.budget.BudgetedWhatIf.as_dict`)
     next to the estimate-vs-measured CSV, for the first batch; returns the CSV (None where none was written). A stop
     or failure is one warning."""
-    if folder is None:
+    if folder is None or budget_s <= 0 or batch is None:
         return None
+    # the fit has ended on the console: without a word, tens of seconds of estimates would look like a hang
+    rank_zero_info(
+        f"MemTrace: estimating what would fit (each remedy, its largest micro-batch), for up to {budget_s:g} s; "
+        "MemTrace(what_if_budget_s=0) skips this"
+    )
+    started = time.monotonic()
     made = what_if_for_fit(trainer, batch, budget_s)
     if made is None:
         return None
@@ -118,6 +125,7 @@ def write_what_if(trainer: pl.Trainer, batch: Any, folder: Path | None, rank: in
     except Exception as error:  # noqa: BLE001 - a file that cannot be written is one warning
         rank_zero_warn(f"MemTrace could not write the what-if in {folder}: {error}")
         return None
+    rank_zero_info(f"MemTrace: what would fit: {csv} ({time.monotonic() - started:.0f} s)")
     return csv
 
 
