@@ -110,8 +110,11 @@ def test_oom_names_its_post_mortem_and_report_in_one_line(tmp_path, capsys):
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("MemTrace: out of memory")]
     folder = callback.output_dir
     assert lines == [
+        # said first: the traceback waits for the what-if
+        "MemTrace: out of memory; estimating what would fit for the post-mortem, for up to 60 s "
+        "(MemTrace(what_if_budget_s=0) skips this)",
         f"MemTrace: out of memory at step 1 (forward); post-mortem: {folder / 'oom_rank0_step1.txt'}; "
-        f"report: {folder / 'report.html'}"
+        f"report: {folder / 'report.html'}",
     ]
     assert (folder / "report.html").is_file() and callback.report_path == folder / "report.html"
 
@@ -199,12 +202,13 @@ def test_cpu_oom_what_if_past_its_budget_is_one_line(tmp_path):
     assert "what to change:" in text  # no table: the advice stays
 
 
-def test_what_if_budget_zero_leaves_the_post_mortem_as_it_was(tmp_path):
+def test_what_if_budget_zero_leaves_the_post_mortem_as_it_was(tmp_path, capsys):
     callback = MemTrace(what_if_budget_s=0, report=False)
     with pytest.raises(RuntimeError, match="can't allocate memory"):
         trainer(tmp_path, [callback], max_steps=3).fit(MLP(oom_at=1))
     text = (callback.output_dir / "oom_rank0_step1.txt").read_text()
     assert "what would fit" not in text and "what to change:" in text
+    assert "estimating what would fit" not in capsys.readouterr().err
 
 
 def test_a_second_fit_into_the_same_folder_keeps_the_first_fits_files(tmp_path):

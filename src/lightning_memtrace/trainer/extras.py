@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -92,7 +93,16 @@ def what_if_for_fit(trainer: pl.Trainer, batch: Any, budget_s: float) -> Any:
 
 def what_if_after_oom(trainer: pl.Trainer, batch: Any, budget_s: float) -> dict[str, Any] | None:
     """The post-mortem's what-if for the batch the run died on, as plain data (see
-    :attr:`~lightning_memtrace.analysis.postmortem.PostMortem.what_if`), or None."""
+    :attr:`~lightning_memtrace.analysis.postmortem.PostMortem.what_if`), or None. One line on stderr says so first:
+    the error's traceback waits for it."""
+    if budget_s > 0 and batch is not None:
+        prefix = f"[rank {trainer.global_rank}] " if trainer.global_rank else ""
+        print(
+            f"{prefix}MemTrace: out of memory; estimating what would fit for the post-mortem, for up to {budget_s:g} s "
+            "(MemTrace(what_if_budget_s=0) skips this)",
+            file=sys.stderr,
+            flush=True,
+        )
     made = what_if_for_fit(trainer, batch, budget_s)
     return made.as_dict() if made is not None else None
 
