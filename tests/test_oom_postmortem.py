@@ -127,6 +127,23 @@ def test_plain_loop_oom_names_its_post_mortem(tmp_path, capsys):
             torch.empty(10**15, dtype=torch.uint8)
     err = capsys.readouterr().err.splitlines()
     assert f"[rank 2] MemTrace: out of memory at step 4 (forward); post-mortem: {tmp_path / 'oom_rank2_step4.txt'}" in err
+    assert not [line for line in err if "estimating what would fit" in line]  # no optimizer given: no what-if runs
+
+
+def test_plain_loop_oom_says_the_what_if_runs_before_it_does(tmp_path, capsys):
+    model = torch.nn.Linear(8, 8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="can't allocate memory"):
+        with MemoryRecorder(model, [optimizer], output_dir=tmp_path, rank=2, what_if_budget_s=20) as recorder:
+            recorder.begin_batch(torch.randn(2, 8), step=4)
+            torch.empty(10**15, dtype=torch.uint8)
+    err = [line for line in capsys.readouterr().err.splitlines() if "MemTrace: out of memory" in line]
+    assert err[0] == (
+        "[rank 2] MemTrace: out of memory; estimating what would fit for the post-mortem, for up to 20 s "
+        "(MemoryRecorder(what_if_budget_s=0) skips this)"
+    )
+    assert err[1].startswith("[rank 2] MemTrace: out of memory at step 4 (forward); post-mortem: ") and len(err) == 2
+    assert "what would fit" in (tmp_path / "oom_rank2_step4.txt").read_text()
 
 
 #: The phrase each category's advice line starts with (analysis.postmortem.advice).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,17 @@ from lightning_memtrace.capture.window import HistoryWindow, cuda_allocated, cud
 from lightning_memtrace.files import oom_basename
 from lightning_memtrace.schema import HEADER_KEY
 from lightning_memtrace.types import Category
+
+
+def say_what_if_runs(rank: int, budget_s: float, how_to_skip: str) -> None:
+    """One line on stderr before the post-mortem's what-if: the error's traceback waits for it (up to ``budget_s``)."""
+    prefix = f"[rank {rank}] " if rank else ""
+    print(
+        f"{prefix}MemTrace: out of memory; estimating what would fit for the post-mortem, for up to {budget_s:g} s "
+        f"({how_to_skip} skips this)",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 @dataclasses.dataclass(eq=False)

@@ -44,7 +44,7 @@ from lightning_memtrace.capture import cuda_history
 from lightning_memtrace.capture.categories import CategoryCounter, SavedTensorsRecorder, normalize_device
 from lightning_memtrace.capture.config import RecorderConfig, choose_backend
 from lightning_memtrace.capture.counters import MemoryCounters, TrackerCounters, allocator_counters
-from lightning_memtrace.capture.oom import OomCapture
+from lightning_memtrace.capture.oom import OomCapture, say_what_if_runs
 from lightning_memtrace.capture.oom_errors import is_out_of_memory
 from lightning_memtrace.capture.outputs import RecorderFiles
 from lightning_memtrace.capture.reports_backend import unavailable_reason
@@ -617,6 +617,7 @@ class MemoryRecorder:
         factory = None if _is_lightning_module(self.model) else optimizer_factory_like(self.categories.optimizers)
         if factory is None and not _is_lightning_module(self.model):
             return {"made": False, "text": "what-if: not made (the recorder was given no optimizer)"}
+        say_what_if_runs(self.rank, budget, "MemoryRecorder(what_if_budget_s=0)")
         run = what_if_within(
             self.model,
             self.batch,

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_memtrace.atomic import atomic_write_text
+from lightning_memtrace.capture.oom import say_what_if_runs
 from lightning_memtrace.files import PHASES_GLOB, phases_filename, what_if_filename
 from lightning_memtrace.units import MIB
 
@@ -96,13 +96,7 @@ def what_if_after_oom(trainer: pl.Trainer, batch: Any, budget_s: float) -> dict[
     :attr:`~lightning_memtrace.analysis.postmortem.PostMortem.what_if`), or None. One line on stderr says so first:
     the error's traceback waits for it."""
     if budget_s > 0 and batch is not None:
-        prefix = f"[rank {trainer.global_rank}] " if trainer.global_rank else ""
-        print(
-            f"{prefix}MemTrace: out of memory; estimating what would fit for the post-mortem, for up to {budget_s:g} s "
-            "(MemTrace(what_if_budget_s=0) skips this)",
-            file=sys.stderr,
-            flush=True,
-        )
+        say_what_if_runs(trainer.global_rank, budget_s, "MemTrace(what_if_budget_s=0)")
     made = what_if_for_fit(trainer, batch, budget_s)
     return made.as_dict() if made is not None else None
 
