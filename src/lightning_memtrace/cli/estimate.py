@@ -24,7 +24,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from lightning_memtrace.cli.args import bytes_arg, positive_int
-from lightning_memtrace.cli.errors import PROG, Parser, error_line, run_guarded
+from lightning_memtrace.cli.errors import PROG, Parser, describe, error_line, run_guarded
 from lightning_memtrace.units import format_bytes
 
 NOT_FIT_EXIT = 1
@@ -304,17 +304,10 @@ def _meta_model(args: argparse.Namespace) -> Any:
     except AttentionUnavailableError:
         raise
     except (OSError, ValueError, RecursionError) as error:
-        raise ValueError(f"cannot read the model config {args.config!r}: {_on_one_line(error)}") from None
+        raise ValueError(f"cannot read the model config {args.config!r}: {str(error).splitlines()[0]}") from None
     except Exception as error:  # transformers' own check of a field, or a size no layer can be built with
-        raise ValueError(
-            f"the model config {args.config!r} does not build a model ({type(error).__name__}: {_on_one_line(error)})"
-        ) from None
-
-
-def _on_one_line(error: BaseException, limit: int = 240) -> str:
-    """The error's message on one line (pydantic-style validation errors spread theirs over several)."""
-    text = " ".join(str(error).split()) or type(error).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+        # describe(): "Type: message"; the error line puts a message of several lines (pydantic's) on one
+        raise ValueError(f"the model config {args.config!r} does not build a model ({describe(error, ())})") from None
 
 
 def _run_what_if(args: argparse.Namespace) -> int:
