@@ -69,13 +69,18 @@ def batch_shapes(batch: Any) -> Any:
     return shapes(batch)
 
 
+def _makes_what_if(batch: Any, budget_s: float) -> bool:
+    """Whether :func:`what_if_for_fit` makes a what-if (its callers say so first)."""
+    return budget_s > 0 and batch is not None
+
+
 def what_if_for_fit(trainer: pl.Trainer, batch: Any, budget_s: float) -> Any:
     """What would fit for the Trainer's module and ``batch`` (fake tensors: the module's real parameters, gradients
     and optimizer state are not touched), at the Trainer's precision and accumulation, against the device's memory
     (CUDA: the device's total; CPU: the physical RAM), within ``budget_s`` seconds: a
     :class:`~lightning_memtrace.estimator.budget.BudgetedWhatIf`. None where ``budget_s`` is 0 or there is no
     batch. Never raises."""
-    if budget_s <= 0 or batch is None:
+    if not _makes_what_if(batch, budget_s):
         return None
     from lightning_memtrace.estimator.budget import device_memory_bytes, what_if_within
 
@@ -95,7 +100,7 @@ def what_if_after_oom(trainer: pl.Trainer, batch: Any, budget_s: float) -> dict[
     """The post-mortem's what-if for the batch the run died on, as plain data (see
     :attr:`~lightning_memtrace.analysis.postmortem.PostMortem.what_if`), or None. One line on stderr says so first:
     the error's traceback waits for it."""
-    if budget_s > 0 and batch is not None:
+    if _makes_what_if(batch, budget_s):
         say_what_if_runs(trainer.global_rank, budget_s, "MemTrace(what_if_budget_s=0)")
     made = what_if_for_fit(trainer, batch, budget_s)
     return made.as_dict() if made is not None else None
@@ -108,7 +113,7 @@ def write_what_if(trainer: pl.Trainer, batch: Any, folder: Path | None, rank: in
     ``what_if_rank<R>.json`` (everything, see :meth:`~lightning_memtrace.estimator.budget.BudgetedWhatIf.as_dict`)
     next to the estimate-vs-measured CSV, for the first batch; returns the CSV (None where none was written). A stop
     or failure is one warning."""
-    if folder is None or budget_s <= 0 or batch is None:
+    if folder is None or not _makes_what_if(batch, budget_s):
         return None
     # the fit has ended on the console: without a word, tens of seconds of estimates would look like a hang
     rank_zero_info(
