@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import weakref
 
 import lightning.pytorch as pl
 import torch
@@ -106,6 +107,30 @@ class MLP(pl.LightningModule):
     def validation_step(self, batch, batch_idx):
         x, y = batch
         self.log("val_loss", nn.functional.mse_loss(self(x), y))
+
+
+class UnbackpropagatedGraphMLP(MLP):
+    """Leaves a graph that no backward goes through at every step: a value computed only to be logged (``side``), or
+    the whole step, skipped by returning None after the forward (``skip``). Keeps a weak reference to the ReLU's
+    output of every step: ReLU saves its output, which under hooks that return the tensor itself holds its node back."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__(width=64)
+        self.mode = mode
+        self.relu_outputs: list[weakref.ref] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        hidden = self.net[:2](x)
+        self.relu_outputs.append(weakref.ref(hidden))
+        loss = nn.functional.mse_loss(self.net[2:](hidden), y)
+        if self.mode == "side":
+            side = torch.relu(hidden - 1).mean()  # a value only logged: no backward goes through its ReLU
+            self.relu_outputs.append(weakref.ref(side))
+            self.log("side", side)
+        if self.mode == "skip" and batch_idx % 2:
+            return None  # Lightning skips the backward and the optimizer step
+        return loss
 
 
 class TwoOptimizers(pl.LightningModule):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import gc
 import pickle
 import warnings
 from pathlib import Path
@@ -22,7 +23,7 @@ from lightning_memtrace import MemTrace, load_phases
 from lightning_memtrace.capture.torch_private import can_tell_saved_tensors_hooks
 from lightning_memtrace.trainer.folder import TEMP_RUNS_KEPT
 from lightning_memtrace.types import COUNTERS
-from lm_helpers import MLP, trainer
+from lm_helpers import MLP, UnbackpropagatedGraphMLP, trainer
 
 MIB = 1024**2
 TRAIN_PHASES = ("batch_start", "after_forward", "after_backward", "after_optimizer_step", "batch_end")
@@ -494,6 +495,75 @@ def test_the_users_saved_tensor_hooks_around_the_fit_still_apply(tmp_path):
     assert packed == plain_packed and len(packed) > 0
     assert unpacked == plain_unpacked == len(packed)
     assert all(torch.equal(a, b) for a, b in zip(plain_params, params))
+
+
+@pytest.mark.parametrize("mode", ["side", "skip"])
+def test_a_graph_that_no_backward_goes_through_is_freed_as_without_memtrace(tmp_path, mode):
+    """Autograd keeps what MemTrace's pack hook returns. Returning the tensor itself made a saved output (ReLU's)
+    hold its own node: a cycle that only a backward through the node breaks, outside Python's garbage collector, so
+    every step leaked the memory of the graph that was not backpropagated (16 x 64 x 4 B here; on a GPU over a long
+    run, an out-of-memory error MemTrace caused)."""
+    module = UnbackpropagatedGraphMLP(mode)
+    callback = MemTrace(history=False, report=False)
+    trainer(tmp_path, [callback], max_steps=-1, limit_train_batches=8, max_epochs=1).fit(module)
+    gc.collect()
+    assert len(module.relu_outputs) == (16 if mode == "side" else 8)
+    assert [i for i, ref in enumerate(module.relu_outputs) if ref() is not None] == []
+    phases = load_phases(callback.output_dir)
+    starts = phases[phases.phase == "batch_start"]
+    assert len(starts) == 8
+    # from the second batch on (the optimizer state exists) every batch starts with the same bytes alive, beside the
+    # gradients (none after a skipped step: Lightning set them to None before the backward it then skipped)
+    without_gradients = (starts.allocated_bytes - starts.gradients_bytes).iloc[1:]
+    assert without_gradients.nunique() == 1, without_gradients.tolist()
+    assert starts.other_bytes.iloc[1:].nunique() == 1, starts.other_bytes.tolist()
+
+
+class BatchNormMLP(MLP):
+    def __init__(self) -> None:
+        super().__init__(width=64)
+        self.net = nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 1))
+
+
+def test_stochastic_weight_averagings_batch_norm_epoch_keeps_memory_flat(tmp_path):
+    """Lightning's ``StochasticWeightAveraging`` ends with an epoch of forwards only (its batch-norm update, no
+    backward): with MemTrace every one of its batches kept the last one's graph alive (10.5 KiB a batch here)."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    callback = MemTrace(history=False, report=False)
+    averaging = StochasticWeightAveraging(swa_lrs=1e-2, swa_epoch_start=1)
+    trainer(tmp_path, [averaging, callback], max_steps=-1, max_epochs=2, limit_train_batches=6).fit(BatchNormMLP())
+    phases = load_phases(callback.output_dir)
+    update_epoch = phases[(phases.epoch == 2) & (phases.phase == "batch_start")]
+    assert len(update_epoch) == 6  # SWA's extra epoch ran, and MemTrace took its rows
+    assert update_epoch.allocated_bytes.nunique() == 1, update_epoch.allocated_bytes.tolist()
+
+
+class InPlaceOnSavedMLP(MLP):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        scaled = self.net[0](x).exp()  # exp saves its output for backward
+        scaled.add_(1)  # ... which this modifies in place: autograd refuses the backward
+        return nn.functional.mse_loss(self.net[1:](scaled), y)
+
+
+def test_a_saved_tensor_modified_in_place_still_fails_the_backward(tmp_path):
+    """Under saved-tensor hooks autograd no longer checks saved tensors' versions: a saved tensor modified in place
+    silently gave wrong gradients with MemTrace, where without it the backward fails. MemTrace's unpack hook checks the
+    version as autograd would, and the error reaches the user as autograd's does (the same type and message, bar the
+    name of the node)."""
+    errors = {}
+    for with_memtrace in (False, True):
+        callbacks = [MemTrace(history=False, report=False)] if with_memtrace else []
+        with pytest.raises(RuntimeError) as raised:
+            trainer(tmp_path / str(with_memtrace), callbacks, max_steps=2).fit(InPlaceOnSavedMLP())
+        errors[with_memtrace] = str(raised.value)
+    prefix = (
+        "one of the variables needed for gradient computation has been modified by an inplace operation: "
+        "[torch.FloatTensor [16, 128]], "
+    )
+    assert errors[False].startswith(prefix) and errors[True].startswith(prefix)
+    assert errors[True].endswith(errors[False][errors[False].index("is at version 1; expected version 0 instead."):])
 
 
 class PhysicsInformedMLP(MLP):

@@ -178,3 +178,21 @@ def test_sparse_gradients_on_cuda_are_named_gradients(tmp_path):
     short = MemTrace(dirpath=tmp_path / "short", report=False)
     _gpu_trainer(tmp_path, [short], fast_dev_run=True).fit(SparseEmbedding())
     assert [p.name for p in (tmp_path / "short").glob("snapshot_*.pickle")] == ["snapshot_rank0_steps0-0.pickle"]
+
+
+@pytest.mark.parametrize("mode", ["side", "skip"])
+def test_a_graph_that_no_backward_goes_through_is_freed_on_cuda(tmp_path, mode):
+    """A value only logged, or a step skipped after its forward: its graph is freed as without MemTrace (the pack
+    hook keeps saved outputs without their history), so the device's memory at each batch start stays flat."""
+    import gc
+
+    from lm_helpers import UnbackpropagatedGraphMLP
+
+    module = UnbackpropagatedGraphMLP(mode)
+    callback = MemTrace(dirpath=tmp_path / "mt", history=False, report=False)
+    _gpu_trainer(tmp_path, [callback], max_steps=-1, max_epochs=1, limit_train_batches=8).fit(module)
+    gc.collect()
+    assert [i for i, ref in enumerate(module.relu_outputs) if ref() is not None] == []
+    starts = load_phases(tmp_path / "mt").query("phase == 'batch_start'")
+    assert len(starts) == 8
+    assert (starts.allocated_bytes - starts.gradients_bytes).iloc[1:].nunique() == 1

@@ -39,8 +39,9 @@ _CATEGORIES = tuple(Category)
 class SavedTensorsRecorder:
     """Remembers the storages autograd saves for backward, through ``saved_tensors_hooks``.
 
-    The hooks are pushed with :meth:`push` before a forward and popped with :meth:`pop` after it; the tensors
-    themselves are untouched (the pack hook returns them as they are), only weak references to their storages are kept.
+    The hooks are pushed with :meth:`push` before a forward and popped with :meth:`pop` after it; the tensors' data is
+    untouched and kept no longer than autograd keeps it (see :meth:`_pack`), and only weak references to their storages
+    are kept here.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -60,7 +61,7 @@ class SavedTensorsRecorder:
     def clear(self) -> None:
         self._saved.clear()
 
-    def _pack(self, tensor: Tensor) -> Tensor:
+    def _note(self, tensor: Tensor) -> None:
         try:
             # `is_cpu` reads a flag where `.device` builds a device object (this runs for every saved tensor).
             if tensor.is_cpu if self._on_cpu and type(tensor) in PLAIN_TENSORS else tensor.device == self.device:
@@ -73,19 +74,47 @@ class SavedTensorsRecorder:
             # Runs inside autograd for every saved tensor of the user's forward: an odd tensor (no storage, a
             # subclass) is left unmeasured rather than failing the forward.
             pass
-        return tensor
+
+    def _pack(self, tensor: Tensor) -> tuple[Tensor, int | None]:
+        """What autograd keeps for ``tensor``: the tensor, cut from its autograd history, and its version now.
+
+        Cut, because autograd holds what a pack hook returns: a tensor that is the saving node's own output (ReLU's,
+        sigmoid's) would hold that node back, a cycle that only a backward through the node breaks, so a graph never
+        backpropagated (a branch computed only to be logged, a skipped step, SWA's batch-norm epoch) would stay alive
+        for good. Autograd itself keeps such outputs without their history. The version: under hooks autograd no longer
+        checks that a saved tensor was not modified in place, so :meth:`_unpack` checks it as autograd would have.
+        """
+        self._note(tensor)
+        try:
+            version = tensor._version
+            if tensor.requires_grad and not tensor.is_leaf:
+                tensor = tensor.detach()  # the same storage and version counter, no history
+        except Exception:  # an inference tensor has no version counter: kept as it is, unchecked
+            return tensor, None
+        return tensor, version
 
     @staticmethod
-    def _unpack(tensor: Tensor) -> Tensor:
+    def _unpack(packed: tuple[Tensor, int | None]) -> Tensor:
         # runs on the thread that runs the backward: a CUDA backward's allocations get the phase tag there too
         cuda_history.carry_allocation_tag()
+        tensor, version = packed
+        if version is not None and tensor._version != version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"[{tensor.type()} {list(tensor.shape)}], is at version {tensor._version}; expected version {version} "
+                "instead. Hint: enable anomaly detection to find the operation that failed to compute its gradient, "
+                "with torch.autograd.set_detect_anomaly(True, check_nan=False)."
+            )
         return tensor
 
     def _pack_then_theirs(self, tensor: Tensor) -> Any:
-        return self._outer[0](self._pack(tensor))
+        # The user's hooks get the tensor as autograd hands it over (and under theirs autograd checks no version).
+        self._note(tensor)
+        return self._outer[0](tensor)
 
     def _unpack_theirs(self, packed: Any) -> Any:
-        return self._outer[1](self._unpack(packed))
+        cuda_history.carry_allocation_tag()
+        return self._outer[1](packed)
 
     def push(self) -> bool:
         """Push the hooks; where saved-tensor hooks of the user's are in force already (``save_on_cpu`` around the
