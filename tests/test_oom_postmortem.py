@@ -303,3 +303,35 @@ def test_oom_in_validation_says_which_dataloader(tmp_path):
     assert (post["batch_idx"], post["dataloader_idx"], post["stage"]) == (1, 1, "validation")
     val = load_phases(callback.output_dir).query("phase == 'val_batch_start'")
     assert list(zip(val.dataloader_idx, val.batch_idx)) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+class _CaughtThenRealOom(MLP):
+    """Catches an out-of-memory error of its own at batch 1 (and goes on, as code that skips a too-large batch does),
+    then dies of one at batch 3 that no allocation of torch's raised (numpy's)."""
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 1:
+            try:
+                torch.empty(10**15, dtype=torch.uint8)
+            except RuntimeError:
+                pass
+        if batch_idx == 3:
+            np.empty(2**60, dtype=np.uint8)
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("backend", ["auto", "dispatch"])
+def test_an_out_of_memory_error_the_user_caught_is_not_the_post_mortems(tmp_path, backend):
+    """The state kept where an allocation failed (the dispatch mode's listener; on CUDA the allocator's observer) is
+    the post-mortem's only for an error of the same batch: one the user's code caught earlier is forgotten when the
+    next batch starts (with its snapshot, on CUDA), so the post-mortem of the error that ends the run tells that one."""
+    callback = MemTrace(allocation_backend=backend, what_if_budget_s=0)
+    with pytest.raises(MemoryError):
+        trainer(tmp_path, [callback], max_steps=5).fit(_CaughtThenRealOom())
+    written = sorted(p.name for p in callback.output_dir.glob("oom_*"))
+    assert written == ["oom_rank0_step3.pickle", "oom_rank0_step3.txt"]
+    text = (callback.output_dir / "oom_rank0_step3.txt").read_text()
+    assert "requested:     1.0 EiB (1,152,921,504,606,846,976 B)" in text
+    assert "step:          3 (epoch 0, batch_idx 3)" in text
+    with open(callback.output_dir / "oom_rank0_step3.pickle", "rb") as handle:
+        assert pickle.load(handle)["memtrace"]["post_mortem"]["requested_bytes"] == 2**60

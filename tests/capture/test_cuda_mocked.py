@@ -145,6 +145,27 @@ def test_recorder_on_cuda_exposes_the_runs_maximum(monkeypatch, tmp_path):
     assert torch.cuda.max_memory_allocated() == 2048  # reset at the last row: why max_allocated_bytes exists
 
 
+def test_an_out_of_memory_error_observed_then_caught_is_forgotten_at_the_next_batch(monkeypatch, tmp_path):
+    """The allocator's out-of-memory observer keeps the state where an allocation failed; a batch later (the user's
+    code caught that error) the post-mortem of another error tells that error, not the caught one."""
+    from lightning_memtrace import MemoryRecorder
+
+    fake = _FakeCudaAllocator(monkeypatch, allocated=2048, reserved=8192, peak=2048, peak_reserved=8192)
+    recorder = MemoryRecorder(None, device="cuda:0", output_dir=tmp_path, history=False, post_mortem=False)
+    monkeypatch.setattr(recorder.window, "snapshot_now", lambda: {"segments": [], "device_traces": [[]]})
+    with recorder:
+        recorder.begin_batch(None, step=0)
+        recorder.on_cuda_oom(0, 10**12, 2048, 0)  # observed; the user's code catches the error
+        error = RuntimeError("CUDA out of memory. Tried to allocate 2.00 MiB.")
+        assert recorder.oom.post_mortem(error)[0].requested_bytes == 10**12  # in the same batch: the state kept
+        recorder.on_cuda_oom(0, 10**12, 2048, 0)
+        recorder.end_batch(next_step=1)
+        recorder.begin_batch(None, step=1)
+        fake.allocated = 4096
+        post_mortem = recorder.oom.post_mortem(error)[0]
+    assert (post_mortem.requested_bytes, post_mortem.step, post_mortem.allocated_bytes) == (2 * 1024**2, 1, 4096)
+
+
 def _fake_thread_local_tags(monkeypatch) -> dict[int, list[str]]:
     """The allocator's tag setter, kept per thread as CUDA's allocator keeps it: thread id -> the tags set there."""
     import threading

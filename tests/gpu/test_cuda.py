@@ -196,3 +196,28 @@ def test_a_graph_that_no_backward_goes_through_is_freed_on_cuda(tmp_path, mode):
     starts = load_phases(tmp_path / "mt").query("phase == 'batch_start'")
     assert len(starts) == 8
     assert (starts.allocated_bytes - starts.gradients_bytes).iloc[1:].nunique() == 1
+
+
+def test_an_out_of_memory_error_the_user_caught_is_not_the_post_mortems_on_cuda(tmp_path):
+    """The allocator's observer keeps the state of every failed allocation, also one the user's code catches; the
+    post-mortem of a later error that no allocation raised (a library's) tells that error and its step."""
+    from lm_helpers import MLP
+
+    class CaughtThenLibraryOom(MLP):
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 1:
+                try:
+                    torch.empty(10**15, dtype=torch.uint8, device=self.device)
+                except torch.OutOfMemoryError:
+                    pass
+            if batch_idx == 3:
+                raise torch.OutOfMemoryError("CUDA error: out of memory (raised by a library, not the allocator)")
+            return super().training_step(batch, batch_idx)
+
+    callback = MemTrace(dirpath=tmp_path / "mt", report=False, what_if_budget_s=0)
+    with pytest.raises(torch.OutOfMemoryError, match="raised by a library"):
+        _gpu_trainer(tmp_path, [callback], max_steps=5).fit(CaughtThenLibraryOom())
+    assert sorted(p.name for p in (tmp_path / "mt").glob("oom_*")) == ["oom_rank0_step3.pickle", "oom_rank0_step3.txt"]
+    with open(tmp_path / "mt" / "oom_rank0_step3.pickle", "rb") as handle:
+        post_mortem = pickle.load(handle)["memtrace"]["post_mortem"]
+    assert post_mortem["step"] == 3 and post_mortem["requested_bytes"] != 10**15

@@ -97,6 +97,11 @@ class OomCapture:
             "device_free": device_free,
         }
 
+    def forget(self) -> None:
+        """Drop the state kept for an error the user's code caught (a batch skipped for being too large): the
+        post-mortem of a later error must tell that error, and a snapshot taken on CUDA holds much host memory."""
+        self._state = None
+
     def on_tracker_oom(self, event: OutOfMemoryEvent) -> None:
         self.capture(event.requested_bytes, event.frames)
 

@@ -315,6 +315,7 @@ class MemoryRecorder:
         self._take_rows = self.step % self.config.every_n_steps == 0
         if training:
             self.batch = batch
+        self.oom.forget()
         self.saved.pop()
         self.saved.clear()
         self.rows.begin_batch(batch, training)
