@@ -8,6 +8,7 @@ from typing import Any
 
 import pandas as pd
 
+from lightning_memtrace.analysis.growth import growth
 from lightning_memtrace.analysis.model import Replay
 from lightning_memtrace.schema import header_is_cpu, header_steps
 from lightning_memtrace.types import ROW_CATEGORIES, STAGES, Stage, TextEnum, category_label
@@ -324,11 +325,25 @@ def reshard_finding(phases: pd.DataFrame) -> list[Finding]:
     return [Finding("reshard_after_forward", message, Severity.WARNING, numbers)]
 
 
+def growth_finding(phases: pd.DataFrame) -> list[Finding]:
+    """Memory held between training batches that rises batch after batch (see :mod:`~lightning_memtrace.analysis.
+    growth`): a warning where it is still held at the last row, else (freed at an epoch's end, say) for information.
+    The largest rise of any rank and run; ``numbers`` also says on how many ranks and runs one was found."""
+    found = growth(phases)
+    if not found:
+        return []
+    top = found[0]
+    numbers = {**top.as_dict(), "ranks_and_runs_growing": len(found)}
+    return [Finding("growth", top.sentence(), Severity.INFO if top.freed else Severity.WARNING, numbers)]
+
+
 def phase_findings(phases: pd.DataFrame) -> list[Finding]:
-    """Findings from MemTrace's per-phase table: the phase with the highest peak and its composition."""
+    """Findings from MemTrace's per-phase table: memory that grows batch after batch, the phase with the highest
+    peak and its composition."""
     out: list[Finding] = []
     if "peak_bytes" not in phases or not len(phases):
         return out
+    out += growth_finding(phases)
     row = phases.loc[phases["peak_bytes"].idxmax()]
     peak = int(row["peak_bytes"])
     cats = {c: int(row[f"{c}_bytes"]) for c in ROW_CATEGORIES if f"{c}_bytes" in row and int(row[f"{c}_bytes"]) > 0}

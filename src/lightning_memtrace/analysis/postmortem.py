@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from lightning_memtrace.analysis.growth import Growth
 from lightning_memtrace.analysis.frames import format_frame, user_frame
 from lightning_memtrace.analysis.view import post_mortem_view
 from lightning_memtrace.types import Category, Frame, Stage
@@ -46,6 +47,9 @@ class PostMortem:
     what_if: dict[str, Any] | None = None
     #: The validation dataloader of the batch (``batch_idx`` counts within it); 0 in training.
     dataloader_idx: int = 0
+    #: Memory held between training batches that rose batch after batch in the rows before the error
+    #: (:meth:`~lightning_memtrace.analysis.growth.Growth.as_dict`), None where it did not.
+    growth: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -80,6 +84,9 @@ def advice(pm: PostMortem) -> list[str]:
         value = share.get(category.value, 0)
         return value >= usual or value >= ADVICE_MIN_SHARE and pm.stage == _STAGE_OF[category]
 
+    if pm.growth:
+        sentence = Growth.from_dict(pm.growth).sentence()
+        tips.append(f"{sentence[0].upper()}{sentence[1:]}.")
     if pm.requested_bytes and pm.allocated_bytes and pm.requested_bytes > 4 * max(pm.allocated_bytes, 1):
         tips.append(
             f"The failed request alone ({format_bytes(pm.requested_bytes)}) is over 4x everything live "

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from lightning_memtrace.analysis.growth import records_growth
 from lightning_memtrace.analysis.postmortem import (
     LiveBlock,
     PostMortem,
@@ -23,7 +24,7 @@ from lightning_memtrace.capture.tracker import AllocationTracker, OutOfMemoryEve
 from lightning_memtrace.capture.window import HistoryWindow, cuda_allocated, cuda_reserved
 from lightning_memtrace.files import oom_basename
 from lightning_memtrace.schema import HEADER_KEY
-from lightning_memtrace.types import Category
+from lightning_memtrace.types import Category, PhaseRecord
 
 
 def say_what_if_runs(rank: int, budget_s: float, how_to_skip: str) -> None:
@@ -51,6 +52,8 @@ class OomCapture:
         classify: Names the live storages now.
         sync: Takes in the allocator's reports so far.
         where: ``(step, epoch, batch_idx, stage, dataloader_idx)`` of the recorder now.
+        recent_rows: The rows the recorder still holds, oldest first: memory that rose batch after batch in them is
+            named in the post-mortem (:attr:`PostMortem.growth`).
     """
 
     device: torch.device
@@ -61,6 +64,7 @@ class OomCapture:
     classify: Callable[[], NamedStorages]
     sync: Callable[[], None]
     where: Callable[[], tuple[int, int, int, str, int]]
+    recent_rows: Callable[[], Iterable[PhaseRecord]] = tuple
     _state: dict[str, Any] | None = dataclasses.field(default=None, init=False)
     last: PostMortem | None = dataclasses.field(default=None, init=False)
 
@@ -139,7 +143,15 @@ class OomCapture:
             failing_frames=list(state.get("frames", [])),
             device_free_bytes=state.get("device_free"),
             dataloader_idx=dataloader_idx,
+            growth=self._growth(),
         ), state.get("snapshot")
+
+    def _growth(self) -> dict[str, Any] | None:
+        try:
+            found = records_growth(self.recent_rows())
+        except Exception:  # noqa: BLE001 - the post-mortem stands without it
+            return None
+        return found.as_dict() if found is not None else None
 
     def write(
         self, exception: BaseException, what_if: Callable[[PostMortem], dict[str, Any] | None] | None = None

@@ -166,7 +166,15 @@ class MemoryRecorder:
             self.config, self.device, rank, self.tracker, self.outputs, self.rows.classify, self._sync, self._warn, self.run_id
         )
         self.oom = OomCapture(
-            self.device, rank, self.tracker, self.outputs, self.window, self.rows.classify, self._sync, self._where
+            self.device,
+            rank,
+            self.tracker,
+            self.outputs,
+            self.window,
+            self.rows.classify,
+            self._sync,
+            self._where,
+            lambda: self._records,
         )
         self._in_batch = self._forward_marked = self._stepped_this_batch = False
         self._take_rows = True
