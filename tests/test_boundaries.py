@@ -35,7 +35,12 @@ def test_reading_a_snapshot_imports_no_torch(tmp_path: Path, command: str) -> No
 
 @pytest.mark.parametrize(
     "module",
-    ["lightning_memtrace.capture", "lightning_memtrace.capture.phases_writer", "lightning_memtrace.capture.frames"],
+    [
+        "lightning_memtrace.capture",
+        "lightning_memtrace.capture.phases_writer",
+        "lightning_memtrace.capture.frames",
+        "lightning_memtrace.capture.recorder",
+    ],
 )
 def test_capture_imports_nothing_heavy(module: str) -> None:
     loaded = _modules_after(f"import {module}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -46,9 +47,9 @@ class KeepsHidden(MLP):
 HIDDEN_BYTES = 16 * WIDTH * 4
 
 
-def _fit(tmp_path, module: MLP, **kwargs) -> MemTrace:
+def _fit(tmp_path, module: MLP, max_epochs: int = 2) -> MemTrace:
     callback = MemTrace(report=False, what_if_budget_s=0)
-    trainer(tmp_path, [callback], max_steps=-1, max_epochs=2, limit_train_batches=10, **kwargs).fit(module)
+    trainer(tmp_path, [callback], max_steps=-1, max_epochs=max_epochs, limit_train_batches=10).fit(module)
     return callback
 
 
@@ -109,3 +110,22 @@ def test_the_post_mortem_of_an_out_of_memory_error_names_the_rise_first(tmp_path
     with open(callback.output_dir / "oom_rank0_step16.pickle", "rb") as handle:
         growth = pickle.load(handle)["memtrace"]["post_mortem"]["growth"]
     assert growth["bytes_per_batch"] == HIDDEN_BYTES and growth["last_step"] == 16
+
+
+@pytest.mark.parametrize("kept", ["fit", "epoch", "none"])
+def test_a_rise_still_held_is_said_once_while_the_run_goes_on(tmp_path, monkeypatch, kept):
+    """Every GROWTH_CHECK_BATCHES training batches the recorder looks at the rows it holds: memory still rising is one
+    warning (once per fit), before anything runs out; a rise freed at each epoch's end, or none, says nothing."""
+    from lightning_memtrace.capture import recorder
+
+    monkeypatch.setattr(recorder, "GROWTH_CHECK_BATCHES", 10)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _fit(tmp_path, KeepsHidden(kept), max_epochs=4)
+    mine = [str(w.message) for w in seen if "grew by" in str(w.message)]
+    if kept == "fit":
+        assert len(mine) == 1
+        assert mine[0].startswith("MemTrace: the memory held at the start of each training batch grew by 16.0 KiB a")
+        assert "It was still held at the last row" in mine[0]
+    else:
+        assert mine == []

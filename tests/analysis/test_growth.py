@@ -19,14 +19,14 @@ BASE = 400 * KIB  # parameters + optimizer state held at every batch's start
 
 
 def _rows(other: list[int], inputs: list[int] | None = None, gradients: list[int] | None = None,
-          epoch_of=lambda i: 0, rank: int = 0, run: str = "r1") -> pd.DataFrame:
+          epoch_of=lambda i: 0, rank: int = 0, run: str = "r1", every: int = 1) -> pd.DataFrame:
     """A phases table: for each batch a ``batch_start`` row (``other`` bytes besides the model's) and an
     ``after_forward`` row (with activations, which must not count), one optimizer step a batch."""
     rows = []
     for i, kept in enumerate(other):
         grads = gradients[i] if gradients else 100 * KIB
         batch = inputs[i] if inputs else 8 * KIB
-        common = dict(step=i, epoch=epoch_of(i), batch_idx=i, rank=rank, run=run, reserved_bytes=0, time_s=float(i),
+        common = dict(step=i * every, epoch=epoch_of(i), batch_idx=i * every, rank=rank, run=run, reserved_bytes=0, time_s=float(i),
                       parameters_bytes=100 * KIB, optimizer_state_bytes=BASE - 100 * KIB, gradients_bytes=grads,
                       inputs_bytes=batch, other_bytes=kept, unsharded_parameters_bytes=0,
                       unsharded_gradients_bytes=0, dataloader_idx=0)
@@ -68,6 +68,13 @@ def test_a_rise_freed_at_every_epochs_end_is_information():
     assert finding.severity == "info" and finding.numbers["freed"] and finding.numbers["rises"] == 4
     assert finding.numbers["total_bytes"] == 9 * 8 * KIB and finding.numbers["bytes_per_batch"] == 8 * KIB
     assert "freed again afterwards (4 such rises)" in finding.message
+
+
+def test_rows_taken_every_few_steps_give_the_bytes_of_one_batch():
+    # every_n_steps=5: a row every fifth batch, 80 KiB more each time
+    (rise,) = growth(_rows([80 * KIB * i for i in range(12)], every=5))
+    assert (rise.first_step, rise.last_step, rise.batches) == (10, 55, 45)
+    assert rise.bytes_per_batch == 16 * KIB
 
 
 def test_a_rise_that_begins_late_is_counted_from_where_it_begins():

@@ -4,9 +4,9 @@ At a training batch's start nothing of the batch's own work is alive yet: what i
 between batches (parameters, optimizer state, the last step's gradients, and whatever the user's code keeps). In a
 healthy run it is the same at every batch once the first steps have made the optimizer state and gradients. Where it
 rises batch after batch, something keeps tensors from every batch: outputs appended to a list, a cache, a metric that
-stores every prediction. Left alone, that ends in an out-of-memory
-error hours into a run; this module finds it in MemTrace's per-phase rows (a log folder's CSV, or the rows a recorder
-still holds when the error comes).
+stores every prediction. Left alone, that ends in an out-of-memory error hours into a run; this module finds it in
+MemTrace's per-phase rows (a log folder's CSV, or the rows a recorder holds while the run goes on or when the error
+comes).
 
 The rows' ``batch_start`` bytes are compared less the batch's inputs (batches differ in size) and the gradients (a
 step skipped by returning ``None`` has none), from the :data:`SKIPPED_BATCHES` + 1st batch on.
@@ -15,13 +15,14 @@ step skipped by returning ``None`` has none), from the :data:`SKIPPED_BATCHES` +
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
-from typing import Any
-
-import pandas as pd
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from lightning_memtrace.types import ROW_CATEGORIES, Phase, PhaseRecord, category_label
 from lightning_memtrace.units import format_bytes, percent
+
+if TYPE_CHECKING:  # pandas is not imported during training (the recorder reads its own rows)
+    import pandas as pd
 
 #: The first training batches of a fit make the optimizer state, the first gradients, a DDP's buckets: not growth.
 SKIPPED_BATCHES = 2
@@ -45,7 +46,8 @@ class Growth:
         first_step: The step of the batch where the rise began (``first_epoch``, ``first_batch_idx``: its epoch and
             index in the epoch).
         last_step: The step of the batch where it ended: the last rise (``last_epoch``, ``last_batch_idx``).
-        batches: Batches from its start to its end (one fewer than the rows).
+        batches: Training batches from its start to its end (one fewer than its rows, where a row is taken at every
+            batch).
         start_bytes: Held at the start of the rise (allocated less inputs and gradients).
         total_bytes: How much more was held at its end.
         by_category: The growth of each category that grew, largest first (bytes).
@@ -114,8 +116,15 @@ class Growth:
         return text
 
 
-def _held(rows: pd.DataFrame) -> pd.Series:
-    return rows["allocated_bytes"] - rows["inputs_bytes"] - rows["gradients_bytes"]
+Row = Mapping[str, Any]
+#: The fields of a row the rule reads.
+FIELDS = ("step", "epoch", "batch_idx", "rank", "run", "allocated_bytes", *(f"{c}_bytes" for c in ROW_CATEGORIES))
+#: Left out of what is held between batches (see the module's docstring).
+_NOT_HELD = ("inputs", "gradients")
+
+
+def _held(row: Row) -> int:
+    return int(row["allocated_bytes"]) - int(row["inputs_bytes"]) - int(row["gradients_bytes"])
 
 
 def _rises(held: list[int], flat: int) -> list[tuple[int, int]]:
@@ -131,21 +140,32 @@ def _rises(held: list[int], flat: int) -> list[tuple[int, int]]:
     return stretches
 
 
-def rank_growth(rows: pd.DataFrame) -> Growth | None:
-    """The largest rise of one rank's training rows of one run (in the order they were taken), or None.
+def _batches_between_rows(starts: Sequence[Row]) -> int:
+    """Training batches from one ``batch_start`` row to the next: 1, or more where rows are taken every few steps
+    (``every_n_steps``), told by the rows' ``batch_idx`` within an epoch."""
+    gaps = sorted(
+        int(b["batch_idx"]) - int(a["batch_idx"])
+        for a, b in zip(starts, starts[1:])
+        if a["epoch"] == b["epoch"] and b["batch_idx"] > a["batch_idx"]
+    )
+    return gaps[len(gaps) // 2] if gaps else 1
+
+
+def rank_growth(starts: Sequence[Row]) -> Growth | None:
+    """The largest rise of one rank's ``batch_start`` rows of one run (in the order they were taken, each a mapping
+    with the :data:`FIELDS`), or None.
 
     A rise counts where the held bytes rise (by more than :data:`FLAT_BYTES`) in at least :data:`MIN_RISING_BATCHES`
     batches and in half of its batches or more, give back no more than half of their gain at once meanwhile, and grow by
     :data:`MIN_SHARE` or more of what was held where it began.
     """
-    starts = rows[rows["phase"] == Phase.BATCH_START.value].iloc[SKIPPED_BATCHES:]
+    starts = starts[SKIPPED_BATCHES:]
     if len(starts) <= MIN_RISING_BATCHES:
         return None
-    held = [int(v) for v in _held(starts)]
+    held = [_held(row) for row in starts]
     flat = max(FLAT_BYTES, sorted(held)[len(held) // 2] // 10_000)
     found = []
-    stretches = _rises(held, flat)
-    for stretch_start, stretch_end in stretches:
+    for stretch_start, stretch_end in _rises(held, flat):
         rising = [i for i in range(stretch_start + 1, stretch_end + 1) if held[i] > held[i - 1] + flat]
         if len(rising) < MIN_RISING_BATCHES:
             continue
@@ -159,41 +179,32 @@ def rank_growth(rows: pd.DataFrame) -> Growth | None:
     # the largest rise; where another one fell back (every epoch's outputs, say), the last one, still rising where the
     # rows end, is taken for one more of them
     total, start, end, _ = max(found, key=lambda f: (f[0], f[3] < len(held) - 1))
-    freed = any(f[3] < len(held) - 1 for f in found)
-    first, last = starts.iloc[start], starts.iloc[end]
+    first, last = starts[start], starts[end]
     grown = {c: int(last[f"{c}_bytes"]) - int(first[f"{c}_bytes"]) for c in ROW_CATEGORIES if c not in _NOT_HELD}
-    by_category = {c: b for c, b in sorted(grown.items(), key=lambda kv: -kv[1]) if b > flat}
     return Growth(
         rank=int(first["rank"]),
-        run=str(first.get("run", "")),
+        run=str(first["run"]),
         first_step=int(first["step"]),
         last_step=int(last["step"]),
         first_epoch=int(first["epoch"]),
         first_batch_idx=int(first["batch_idx"]),
         last_epoch=int(last["epoch"]),
         last_batch_idx=int(last["batch_idx"]),
-        batches=end - start,
+        batches=(end - start) * _batches_between_rows(starts),
         start_bytes=held[start],
         total_bytes=total,
-        by_category=by_category,
-        freed=freed,
+        by_category={c: b for c, b in sorted(grown.items(), key=lambda kv: -kv[1]) if b > flat},
+        freed=any(f[3] < len(held) - 1 for f in found),
         rises=len(found),
     )
 
 
-#: Left out of what is held between batches (see the module's docstring).
-_NOT_HELD = ("inputs", "gradients")
-
-
 def records_growth(records: Iterable[PhaseRecord]) -> Growth | None:
     """The largest rise among one recorder's rows (:attr:`MemoryRecorder.records <lightning_memtrace.capture.recorder.
-    MemoryRecorder.records>`: one run, one rank), or None."""
-    rows = [dataclasses.asdict(record) for record in records]
-    if not rows:
-        return None
-    frame = pd.DataFrame(rows)
-    frame["phase"] = frame["phase"].astype(str)
-    return rank_growth(frame)
+    MemoryRecorder.records>`: one run, one rank), or None. Reads only the ``batch_start`` rows' few fields: it runs
+    while the run goes on."""
+    starts = [{f: getattr(r, f) for f in FIELDS} for r in records if r.phase == Phase.BATCH_START]
+    return rank_growth(starts) if starts else None
 
 
 def growth(phases: pd.DataFrame) -> list[Growth]:
@@ -201,8 +212,9 @@ def growth(phases: pd.DataFrame) -> list[Growth]:
     first."""
     if not len(phases) or "phase" not in phases:
         return []
-    training = phases[phases["phase"] == Phase.BATCH_START.value]
-    keys = [k for k in ("run", "rank") if k in training]
-    groups = training.groupby(keys, sort=False) if keys else [((), training)]
-    found = [g for _, rows in groups if (g := rank_growth(rows)) is not None]
+    starts = phases.loc[phases["phase"] == Phase.BATCH_START.value, list(FIELDS)]
+    groups: dict[tuple[str, int], list[Row]] = {}
+    for row in starts.to_dict("records"):
+        groups.setdefault((str(row["run"]), int(row["rank"])), []).append(row)
+    found = [g for rows in groups.values() if (g := rank_growth(rows)) is not None]
     return sorted(found, key=lambda g: -g.total_bytes)

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_memtrace.analysis.growth import records_growth
 from lightning_memtrace.analysis.postmortem import PostMortem
 from lightning_memtrace.capture import cuda_history
 from lightning_memtrace.capture.categories import CategoryCounter, SavedTensorsRecorder, normalize_device
@@ -59,6 +60,8 @@ from lightning_memtrace.types import STAGE_AFTER_PHASE, Phase, PhaseRecord, Stag
 #: this many seconds have passed since the last read (and whenever the rows are wanted: logging, gathering, the end).
 #: Rows reach the CSV on the same rule, also where they are read at once.
 _DEFERRED_ROWS_MAX = 256
+#: Training batches between two looks for memory held between batches that keeps rising (over the rows held).
+GROWTH_CHECK_BATCHES = 200
 _DEFERRED_SECONDS_MAX = 1.0
 
 
@@ -146,6 +149,7 @@ class MemoryRecorder:
         self.on_record = on_record
         self.run_id = run_id or new_run_id()
         self._warned: set[str] = set()
+        self._batches_since_growth_check = 0
         self.tracker, self.counters, self.config = self._measuring_parts(config, parts)
         self.categories = parts.categories or CategoryCounter(self.device, model, optimizers)
         self.saved = parts.saved or SavedTensorsRecorder(self.device)
@@ -508,9 +512,26 @@ class MemoryRecorder:
         self._unwritten.extend(records)
         if len(self._unwritten) >= _DEFERRED_ROWS_MAX:
             self._write_rows()
+        self._batches_since_growth_check += sum(record.phase is Phase.BATCH_START for record in records)
+        if self._batches_since_growth_check >= GROWTH_CHECK_BATCHES:
+            self._batches_since_growth_check = 0
+            self._warn_of_growth()
         if self.on_record is not None:
             for record in records:
                 self.on_record(record)
+
+    def _warn_of_growth(self) -> None:
+        """Say once, while the run goes on, that the memory held between training batches keeps rising and is still
+        held (:mod:`~lightning_memtrace.analysis.growth`, over the rows held): a run that would die of it hours later
+        is told now."""
+        if "growth" in self._warned:
+            return
+        try:
+            found = records_growth(self._records)
+        except Exception:  # noqa: BLE001 - a look that fails tells nothing
+            return
+        if found is not None and not found.freed:
+            self._warn("growth", found.sentence())
 
     def _set_stage(self, stage: Stage) -> None:
         self.stage = stage
