@@ -126,6 +126,6 @@ def test_a_rise_still_held_is_said_once_while_the_run_goes_on(tmp_path, monkeypa
     if kept == "fit":
         assert len(mine) == 1
         assert mine[0].startswith("MemTrace: the memory held at the start of each training batch grew by 16.0 KiB a")
-        assert "It was still held at the last row" in mine[0]
+        assert "It was still held at the latest row" in mine[0]
     else:
         assert mine == []

@@ -57,7 +57,7 @@ def test_the_finding_is_a_warning_with_its_numbers_and_a_projection():
         finding.message
     )
     assert "+144.0 KiB (147,456 B) over 9 batches" in finding.message and "other +144.0 KiB" in finding.message
-    assert "still held at the last row" in finding.message
+    assert "still held at the latest row" in finding.message
     assert "1,000 more batches at this rate hold 15.6 MiB more" in finding.message
 
 

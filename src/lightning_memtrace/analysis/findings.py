@@ -327,7 +327,7 @@ def reshard_finding(phases: pd.DataFrame) -> list[Finding]:
 
 def growth_finding(phases: pd.DataFrame) -> list[Finding]:
     """Memory held between training batches that rises batch after batch (see :mod:`~lightning_memtrace.analysis.
-    growth`): a warning where it is still held at the last row, else (freed at an epoch's end, say) for information.
+    growth`): a warning where it is still held at the latest row, else (freed at an epoch's end, say) for information.
     The largest rise of any rank and run; ``numbers`` also says on how many ranks and runs one was found."""
     found = growth(phases)
     if not found:

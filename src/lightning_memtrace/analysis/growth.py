@@ -105,7 +105,7 @@ class Growth:
             )
         else:
             text += (
-                "It was still held at the last row: something keeps tensors from every batch, such as outputs or "
+                "It was still held at the latest row: something keeps tensors from every batch, such as outputs or "
                 "predictions appended to a list (detached or not, they stay on the device: keep .item() values, a "
                 "running sum or .cpu() copies), a cache that keeps growing, or a metric that stores every batch; "
                 f"{PROJECTED_BATCHES:,} more batches at this rate hold "
