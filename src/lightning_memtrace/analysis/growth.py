@@ -124,7 +124,7 @@ _NOT_HELD = ("inputs", "gradients")
 
 
 def _held(row: Row) -> int:
-    return int(row["allocated_bytes"]) - int(row["inputs_bytes"]) - int(row["gradients_bytes"])
+    return int(row["allocated_bytes"]) - sum(int(row[f"{c}_bytes"]) for c in _NOT_HELD)
 
 
 def _rises(held: list[int], flat: int) -> list[tuple[int, int]]:

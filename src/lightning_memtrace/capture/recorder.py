@@ -60,9 +60,9 @@ from lightning_memtrace.types import STAGE_AFTER_PHASE, Phase, PhaseRecord, Stag
 #: this many seconds have passed since the last read (and whenever the rows are wanted: logging, gathering, the end).
 #: Rows reach the CSV on the same rule, also where they are read at once.
 _DEFERRED_ROWS_MAX = 256
+_DEFERRED_SECONDS_MAX = 1.0
 #: Training batches between two looks for memory held between batches that keeps rising (over the rows held).
 GROWTH_CHECK_BATCHES = 200
-_DEFERRED_SECONDS_MAX = 1.0
 
 
 class MemTraceWarning(UserWarning):
