@@ -18,6 +18,7 @@ SCRIPT = Path(__file__).resolve().parent / "ddp_run.py"
 
 
 def _run(tmp_path: Path, mode: str) -> subprocess.CompletedProcess:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     env = launcher_env()
     env["PYTHONUNBUFFERED"] = "1"
     return subprocess.run(
@@ -69,3 +70,46 @@ def test_ddp_one_rank_out_of_memory(tmp_path):
     assert not list(folder.glob(".*.tmp"))
     phases = load_phases(folder)
     assert set(phases[phases["rank"] == 1].step) == {0, 1}
+
+
+#: DDP's buckets for the "estimate", "bucket_view" and "oom_wide" runs' MLP (width 512): every parameter, fp32.
+WIDE_BUCKET_BYTES = 4 * (32 * 512 + 512 + 512 * 512 + 512 + 512 + 1)
+
+
+def _comparison(folder: Path) -> dict[str, dict[str, str]]:
+    with open(folder / "estimate_vs_measured_rank0.csv") as handle:
+        return {row["category"]: row for row in csv.DictReader(handle)}
+
+
+def test_ddp_estimate_holds_the_buckets_and_the_what_if_removes_them(tmp_path):
+    """A DDP rank's estimate matches the rank's run, DDP's buckets (``other``) included; the what-if's
+    ``gradient_as_bucket_view`` row matches a real run with ``gradient_as_bucket_view=True``."""
+    result = _run(tmp_path / "buckets", "estimate")
+    assert result.returncode == 0, result.stderr[-3000:]
+    folder = tmp_path / "buckets" / "logs" / "version_0" / "memtrace"
+    compared = _comparison(folder)
+    assert int(compared["other"]["measured_bytes"]) >= WIDE_BUCKET_BYTES
+    assert abs(int(compared["other"]["error_bytes"])) <= 64
+    assert abs(float(compared["peak"]["error_percent"])) < 0.01
+    what_if = json.loads((folder / "what_if_rank0.json").read_text())
+    rows = {row["remedy"]: row for row in what_if["what_if"]}
+    row = rows["gradient_as_bucket_view"]
+    assert row["kind"] == "measured" and row["saved_bytes"] == WIDE_BUCKET_BYTES
+
+    views = _run(tmp_path / "views", "bucket_view")
+    assert views.returncode == 0, views.stderr[-3000:]
+    folder = tmp_path / "views" / "logs" / "version_0" / "memtrace"
+    compared = _comparison(folder)
+    assert abs(int(compared["other"]["error_bytes"])) <= 64  # no buckets beside the gradients, none estimated
+    assert abs(row["peak_bytes"] - int(compared["peak"]["measured_bytes"])) <= 1e-4 * row["peak_bytes"]
+
+
+def test_ddp_out_of_memory_names_the_buckets_and_bucket_views(tmp_path):
+    result = _run(tmp_path, "oom_wide")
+    assert result.returncode != 0
+    text = (tmp_path / "logs" / "version_0" / "memtrace" / "oom_rank1_step1.txt").read_text()
+    assert (
+        "DDP keeps its gradient buckets (1.1 MiB, counted in other) beside the gradients, a second copy of them: "
+        "Trainer(strategy=DDPStrategy(gradient_as_bucket_view=True)) makes the gradients views of the buckets and "
+        "saves 1.1 MiB on every rank." in text
+    )

@@ -86,3 +86,13 @@ def test_post_mortem_with_what_if_table(expected) -> None:
     expected(text, "postmortem_what_if.txt")
     pm.categories["optimizer_state"] = 200 * 1024**2  # 40%: its advice comes back beside the table
     assert "Optimizer state holds 200.0 MiB" in render_post_mortem(pm)
+
+
+def test_post_mortem_names_ddp_buckets(expected) -> None:
+    """DDP's gradient buckets (counted in "other") get their tip where they hold 5% of live memory or more."""
+    pm = _post_mortem("cuda:0")
+    pm.categories = {**pm.categories, "other": 50 * 1024**2}
+    pm.ddp_bucket_bytes = 50 * 1024**2  # a copy of the 50 MiB of gradients: 15% of the 320 MiB live
+    expected(render_post_mortem(pm), "postmortem_ddp_buckets.txt")
+    pm.ddp_bucket_bytes = 15 * 1024**2  # under 5%
+    assert "DDP" not in render_post_mortem(pm)

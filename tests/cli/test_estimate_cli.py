@@ -105,6 +105,18 @@ def test_options_reach_the_estimate(capsys, one_layer):
     assert data["categories"]["optimizer_state"] == ONE_LAYER_PARAM_BYTES // 2  # momentum buffers, bf16
 
 
+def test_ddp_adds_its_gradient_buckets(capsys, one_layer):
+    """``--ddp``: DDP's buckets, one fp32 slot per parameter, held throughout (``other``), on top of the same run."""
+    argv = ["--config", one_layer, "--batch-size", "2", "--seq-len", "32", "--json"]
+    peaks = {}
+    for extra in ([], ["--ddp"]):
+        assert main(argv + extra) == 0
+        peaks[bool(extra)] = json.loads(capsys.readouterr().out)["estimate"]
+    assert peaks[True]["ddp_bucket_bytes"] == ONE_LAYER_PARAM_BYTES and peaks[False]["ddp_bucket_bytes"] == 0
+    assert peaks[True]["peak_bytes"] - peaks[False]["peak_bytes"] == ONE_LAYER_PARAM_BYTES
+    assert peaks[True]["categories"]["other"] - peaks[False]["categories"]["other"] == ONE_LAYER_PARAM_BYTES
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -112,6 +124,7 @@ def test_options_reach_the_estimate(capsys, one_layer):
         (["--config", TINY, "--seq-len", "8"], "--batch-size is required"),
         (["--config", TINY, "--seq-len", "8", "--find-max-batch"], "needs --device-memory"),
         (["--config", str(CONFIGS), "--batch-size", "1", "--seq-len", "8"], "cannot read the model config"),
+        (["--config", TINY, "--batch-size", "1", "--seq-len", "8", "--ddp", "--fsdp", "2"], "two different runs"),
     ],
 )
 def test_errors_are_one_line(capsys, argv, message):

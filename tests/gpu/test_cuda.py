@@ -221,3 +221,32 @@ def test_an_out_of_memory_error_the_user_caught_is_not_the_post_mortems_on_cuda(
     with open(tmp_path / "mt" / "oom_rank0_step3.pickle", "rb") as handle:
         post_mortem = pickle.load(handle)["memtrace"]["post_mortem"]
     assert post_mortem["step"] == 3 and post_mortem["requested_bytes"] != 10**15
+
+
+def test_ddp_rank_on_cuda_holds_the_estimated_buckets(tmp_path):
+    """One DDP rank (nccl) on one GPU: DDP's buckets (``gradient_as_bucket_view=False``) are device memory counted as
+    ``other`` from the first row, and the estimate made during the fit holds them too."""
+    import csv
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from lm_helpers import launcher_env
+
+    script = Path(__file__).resolve().parents[1] / "ddp_run.py"
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), "gpu_estimate"],
+        capture_output=True, text=True, timeout=300, env=launcher_env(), cwd=str(tmp_path),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    folder = tmp_path / "logs" / "version_0" / "memtrace"
+    buckets = 4 * (32 * 512 + 512 + 512 * 512 + 512 + 512 + 1)  # the MLP's parameters, fp32, one slot each
+    phases = load_phases(folder)
+    assert (phases.other_bytes >= buckets).all()  # made when DDP wrapped the model, before MemTrace's first row
+    with open(folder / "estimate_vs_measured_rank0.csv") as handle:
+        compared = {row["category"]: row for row in csv.DictReader(handle)}
+    assert int(compared["other"]["estimated_bytes"]) >= buckets
+    # beyond the buckets, CUDA's "other" holds cuBLAS's workspace, which fake tensors never ask for
+    assert 0 <= int(compared["other"]["measured_bytes"]) - int(compared["other"]["estimated_bytes"]) <= 64 * 1024**2
+    for category in ("parameters", "gradients", "optimizer_state"):
+        assert compared[category]["estimated_bytes"] == compared[category]["measured_bytes"]

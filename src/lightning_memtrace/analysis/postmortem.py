@@ -50,6 +50,9 @@ class PostMortem:
     #: Memory held between training batches that rose batch after batch in the rows before the error
     #: (:meth:`~lightning_memtrace.analysis.growth.Growth.as_dict`), None where it did not.
     growth: dict[str, Any] | None = None
+    #: Bytes of DDP's gradient buckets, a second copy of the gradients (``gradient_as_bucket_view=False``), among the
+    #: ``other`` bytes; 0 where the run is not DDP's or its gradients are views of the buckets.
+    ddp_bucket_bytes: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -119,6 +122,12 @@ def advice(pm: PostMortem) -> list[str]:
         tips.append(
             f"Gradients ({format_bytes(pm.categories['gradients'])}) are alive during this step's "
             f"{'forward' if pm.stage == Stage.FORWARD.value else 'backward'}: Lightning zeroes them after the forward."
+        )
+    if pm.ddp_bucket_bytes >= ADVICE_MIN_SHARE * total:
+        tips.append(
+            f"DDP keeps its gradient buckets ({format_bytes(pm.ddp_bucket_bytes)}, counted in other) beside the "
+            "gradients, a second copy of them: Trainer(strategy=DDPStrategy(gradient_as_bucket_view=True)) makes the "
+            f"gradients views of the buckets and saves {format_bytes(pm.ddp_bucket_bytes)} on every rank."
         )
     if pm.reserved_bytes > pm.allocated_bytes * 1.3 and pm.reserved_bytes > 0:
         tips.append(

@@ -54,6 +54,7 @@ class OomCapture:
         where: ``(step, epoch, batch_idx, stage, dataloader_idx)`` of the recorder now.
         recent_rows: The rows the recorder still holds, oldest first: memory that rose batch after batch in them is
             named in the post-mortem (:attr:`PostMortem.growth`).
+        ddp_bucket_bytes: DDP's gradient buckets beside the gradients (see :attr:`PostMortem.ddp_bucket_bytes`).
     """
 
     device: torch.device
@@ -65,6 +66,7 @@ class OomCapture:
     sync: Callable[[], None]
     where: Callable[[], tuple[int, int, int, str, int]]
     recent_rows: Callable[[], Iterable[PhaseRecord]] = tuple
+    ddp_bucket_bytes: int = 0
     _state: dict[str, Any] | None = dataclasses.field(default=None, init=False)
     last: PostMortem | None = dataclasses.field(default=None, init=False)
 
@@ -144,6 +146,7 @@ class OomCapture:
             device_free_bytes=state.get("device_free"),
             dataloader_idx=dataloader_idx,
             growth=self._growth(),
+            ddp_bucket_bytes=self.ddp_bucket_bytes,
         ), state.get("snapshot")
 
     def _growth(self) -> dict[str, Any] | None:

@@ -220,6 +220,11 @@ class MemoryRecorder:
         (``history_skip_steps``) gets the window over its last ``history_steps`` steps instead of no snapshot."""
         self.window.run_last_step = None if step is None else int(step)
 
+    def note_ddp_buckets(self, nbytes: int) -> None:
+        """DDP's gradient buckets beside the gradients hold ``nbytes`` (counted as ``other``): an out-of-memory
+        post-mortem names them, and what turns them off."""
+        self.oom.ddp_bucket_bytes = int(nbytes)
+
     def start(self) -> MemoryRecorder:
         if self.started:
             return self

@@ -39,6 +39,7 @@ OPTIMIZERS = {
 #: ``--remedies`` choices (the values of ``estimator.remedies.Remedy``, kept here so that the parser does not import
 #: torch); ``zero3`` is read as ``fsdp``.
 REMEDIES = (
+    "gradient_as_bucket_view",
     "optimizer_foreach_off",
     "bf16-mixed",
     "16-mixed",
@@ -55,7 +56,15 @@ PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "bf16-true", "16-true")
 #: ``--attn-implementation`` choices (transformers' names); without the option, transformers' default for the model.
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
 #: Options passed through to :func:`~lightning_memtrace.estimator.estimate_from_config` as they are.
-_ESTIMATE_OPTIONS = ("optimizer", "precision", "gradient_checkpointing", "accumulate_grad_batches", "device", "fsdp")
+_ESTIMATE_OPTIONS = (
+    "optimizer",
+    "precision",
+    "gradient_checkpointing",
+    "accumulate_grad_batches",
+    "device",
+    "fsdp",
+    "ddp_buckets",
+)
 #: Errors whose message alone is the one line (anything else also names its type).
 PLAIN_ERRORS = (ValueError, OSError, KeyError, TypeError, ModuleNotFoundError, json.JSONDecodeError)
 
@@ -94,6 +103,13 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="shard with FSDP2 over N ranks (each repeated block, then the root), measured on rank 0 with torch's "
         "fake process group (default 1: unsharded)",
+    )
+    parser.add_argument(
+        "--ddp",
+        dest="ddp_buckets",
+        action="store_true",
+        help="data-parallel with DDP's defaults (gradient_as_bucket_view=False): its gradient buckets, a second copy "
+        "of the gradients, on every rank (--what-if then tries gradient_as_bucket_view)",
     )
     parser.add_argument(
         "--device-memory",
@@ -177,6 +193,8 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError("--find-max-batch needs --device-memory")
     if (args.devices > 1 or args.remedies or args.jobs) and not args.what_if:
         raise ValueError("--devices, --remedies and --jobs go with --what-if")
+    if args.ddp_buckets and args.fsdp > 1:
+        raise ValueError("--ddp and --fsdp describe two different runs: give one of them")
 
 
 def _compute(args: argparse.Namespace) -> tuple[Any, Any]:

@@ -185,6 +185,7 @@ def estimate_argv(
     device_memory: str | int | None = None,
     find_max_batch: bool = False,
     max_batch_size: int | None = None,
+    ddp: bool = False,
 ) -> list[str]:
     """The ``memtrace`` arguments of an ``estimate`` tool call (without ``--json``)."""
     options = [
@@ -201,6 +202,7 @@ def estimate_argv(
         ("--device-memory", device_memory),
         ("--find-max-batch", bool(find_max_batch)),
         ("--max-batch-size", max_batch_size),
+        ("--ddp", bool(ddp)),
     ]
     return ["estimate", *_options(options)]
 
@@ -284,11 +286,13 @@ def build_server() -> Any:
         device_memory: str | None = None,
         find_max_batch: bool = False,
         max_batch_size: int | None = None,
+        ddp: bool = False,
     ) -> CallToolResult:
         """`memtrace estimate ... --json`: the memory of training a Hugging Face causal LM, per phase and category,
         from its config (run on fake tensors: no GPU, no weights). config: a config.json or a folder holding one;
         precision: 32-true, 16-mixed, bf16-mixed, bf16-true or 16-true; device: cuda or cpu; optimizer: adamw, adam,
-        sgd or sgd-plain; fsdp: shard over N ranks; device_memory: e.g. "80GiB" (then "fits" is in the answer);
+        sgd or sgd-plain; fsdp: shard over N ranks; ddp: data-parallel with DDP's default gradient buckets (a second
+        copy of the gradients on every rank); device_memory: e.g. "80GiB" (then "fits" is in the answer);
         find_max_batch: search the largest micro-batch that fits in device_memory (up to max_batch_size)."""
         argv = estimate_argv(
             config,
@@ -304,6 +308,7 @@ def build_server() -> Any:
             device_memory,
             find_max_batch,
             max_batch_size,
+            ddp,
         )
         return _result(argv)
 

@@ -156,6 +156,7 @@ def what_if_within(
     optimizer_factory: Callable[[nn.Module], Any] | None = None,
     remedies: Iterable[Remedy | str] | None = None,
     hint: str = "",
+    ddp_buckets: bool = False,
 ) -> BudgetedWhatIf:
     """:func:`~lightning_memtrace.estimator.what_if.what_if_result` for ``module`` and ``batch`` (fake tensors: the
     module's parameters, gradients and optimizer state are not touched, nothing real is allocated) within
@@ -170,6 +171,7 @@ def what_if_within(
         optimizer_factory: ``factory(model) -> optimizer`` for a plain module (see :func:`optimizer_factory_like`).
         remedies: Identifiers to try (default: all, in order of price).
         hint: How to raise the budget, said at the end of the note (e.g. ``raise MemTrace(what_if_budget_s=...)``).
+        ddp_buckets: The run is DDP's with its gradient buckets (see :func:`~lightning_memtrace.estimator.estimate`).
     """
     started = time.monotonic()
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
@@ -185,6 +187,7 @@ def what_if_within(
             accumulate_grad_batches=accumulate_grad_batches,
             remedies=remedies,
             deadline=started + float(budget_s),
+            ddp_buckets=ddp_buckets,
         )
     except OutOfTime:
         pass

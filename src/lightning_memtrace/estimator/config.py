@@ -188,6 +188,7 @@ def estimate_from_config(
     fsdp: int = 1,
     optimizer_factory: Callable[[nn.Module], Any] | None = None,
     prepare: Callable[[nn.Module], Any] | None = None,
+    ddp_buckets: bool = False,
 ) -> Estimate:
     """Estimate a Hugging Face causal LM from its config alone (a dict, a ``config.json``, a folder or a hub id).
 
@@ -213,9 +214,10 @@ def estimate_from_config(
             attention is kept.
         attn_implementation: ``eager``, ``sdpa``... for the model built here; None: transformers' default for it.
         fsdp: Ranks to shard over with FSDP2 (each decoder layer, then the root); the estimate is rank zero's.
-        model: A meta model built before (from :func:`build_meta_model`), to reuse across batch sizes.
         optimizer_factory: ``factory(fake_model) -> optimizer`` in place of ``optimizer`` (a what-if remedy's).
         prepare: ``fn(fake_model)`` run on the fake copy before the optimizer is built (see :func:`estimate`).
+        ddp_buckets: Data-parallel with DDP (``gradient_as_bucket_view=False``): its gradient buckets, a second copy of
+            the gradients, are held throughout (see :func:`estimate`).
     """
     name = OptimizerName(str(optimizer).lower())
     precision = Precision.parse(precision)
@@ -242,4 +244,5 @@ def estimate_from_config(
         steps=steps,
         world_size=fsdp,
         prepare=prepare,
+        ddp_buckets=ddp_buckets,
     )

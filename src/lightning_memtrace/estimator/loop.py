@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_memtrace.capture.recorder import MemoryRecorder
+from lightning_memtrace.capture.ddp_buckets import bucket_tensors
 from lightning_memtrace.estimator.fake import fake_batch
 from lightning_memtrace.estimator.inputs import Precision
 from lightning_memtrace.estimator.meta_recorder import meta_recorder
@@ -108,8 +109,11 @@ def run_steps(
     lightning: bool,
     training_step: Callable[[nn.Module, Any], Any] | None,
     prefetch: bool,
+    ddp_buckets: bool = False,
 ) -> list[PhaseRecord]:
-    """Lightning's automatic optimization loop, step for step, with MemTrace's recorder taking the rows."""
+    """Lightning's automatic optimization loop, step for step, with MemTrace's recorder taking the rows
+    (``ddp_buckets``: with DDP's gradient buckets alive throughout, see
+    :mod:`~lightning_memtrace.capture.ddp_buckets`)."""
     recorder = meta_recorder(model, optimizer, device)
     loop = LightningLoop(model, optimizer, recorder, device, precision, accumulate, lightning, training_step)
     float_dtype = precision.param_dtype
@@ -120,6 +124,8 @@ def run_steps(
     with mode:
         recorder.start()
         try:
+            # made when DDP wraps the model, before the first batch; alive for the whole run
+            buckets = bucket_tensors(model, device) if ddp_buckets else []
             buffer: list[Any] = [new_batch()] if prefetch else []
             for batch_idx in range(steps * accumulate):
                 if prefetch:
@@ -131,7 +137,7 @@ def run_steps(
                     current = new_batch()
                 loop.run_batch(current, batch_idx)
                 del current
-            del buffer
+            del buffer, buckets
         finally:
             loop.clear()
             recorder.stop()

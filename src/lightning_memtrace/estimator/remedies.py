@@ -26,6 +26,7 @@ from lightning_memtrace.types import TextEnum
 class Remedy(TextEnum):
     """The remedies, in order of price: the cheapest first (the combination search tries them in this order)."""
 
+    GRADIENT_AS_BUCKET_VIEW = "gradient_as_bucket_view"
     OPTIMIZER_FOREACH_OFF = "optimizer_foreach_off"
     BF16_MIXED = "bf16-mixed"
     FP16_MIXED = "16-mixed"
@@ -52,6 +53,7 @@ class Remedy(TextEnum):
 
 #: Each remedy's usual cost, in one short phrase.
 PRICES: dict[Remedy, str] = {
+    Remedy.GRADIENT_AS_BUCKET_VIEW: "none (gradients become views of DDP's buckets)",
     Remedy.OPTIMIZER_FOREACH_OFF: "a slightly slower optimizer step",
     Remedy.BF16_MIXED: "none on bf16 hardware (usually faster)",
     Remedy.FP16_MIXED: "loss scaling; overflow risk",
@@ -90,6 +92,8 @@ class Settings:
         optimizer: ``None`` for the setup's own optimizer, else ``adafactor`` or ``adamw_8bit``.
         foreach_off: The optimizer's multi-tensor (foreach) kernels turned off.
         lora: LoRA adapters on the attention projections, the base frozen.
+        ddp_buckets: Data-parallel with DDP's gradient buckets beside the gradients (``gradient_as_bucket_view=False``,
+            see :mod:`~lightning_memtrace.capture.ddp_buckets`); remedy ``gradient_as_bucket_view`` turns them off.
     """
 
     precision: str = "32-true"
@@ -103,6 +107,7 @@ class Settings:
     world_size: int = 1
     #: The N that the ``fsdp`` remedy shards over (the what-if's ``devices``).
     fsdp_devices: int = 1
+    ddp_buckets: bool = False
 
     def with_remedy(self, remedy: Remedy | str) -> Settings:
         """These settings with ``remedy`` applied (formula remedies leave them as they are)."""
@@ -110,7 +115,10 @@ class Settings:
         if remedy in PRECISION_REMEDIES:
             return dataclasses.replace(self, precision=PRECISION_REMEDIES[remedy])
         if remedy is Remedy.FSDP:
-            return dataclasses.replace(self, world_size=self.fsdp_devices) if self.fsdp_devices > 1 else self
+            if self.fsdp_devices < 2:
+                return self
+            # sharded instead of data-parallel: no DDP buckets either
+            return dataclasses.replace(self, world_size=self.fsdp_devices, ddp_buckets=False)
         if remedy is Remedy.HALF_MICRO_BATCH and self.batch_size:
             return dataclasses.replace(
                 self, batch_size=self.batch_size // 2, accumulate_grad_batches=2 * self.accumulate_grad_batches
@@ -121,6 +129,7 @@ class Settings:
             Remedy.ADAFACTOR: {"optimizer": "adafactor"},
             Remedy.ADAMW_8BIT: {"optimizer": "adamw_8bit"},
             Remedy.LORA: {"lora": True},
+            Remedy.GRADIENT_AS_BUCKET_VIEW: {"ddp_buckets": False},
         }
         return dataclasses.replace(self, **changes.get(remedy, {}))
 
@@ -150,6 +159,7 @@ def not_applicable(remedy: Remedy, settings: Settings) -> str | None:
         Remedy.ADAFACTOR: settings.optimizer == "adafactor" and "already Adafactor",
         Remedy.ADAMW_8BIT: settings.optimizer == "adamw_8bit" and "already 8-bit",
         Remedy.LORA: settings.lora and "already LoRA",
+        Remedy.GRADIENT_AS_BUCKET_VIEW: not settings.ddp_buckets and "not a DDP run with gradient_as_bucket_view=False",
     }
     return reasons.get(remedy) or None
 

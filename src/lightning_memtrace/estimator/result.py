@@ -41,6 +41,8 @@ class Estimate:
         values_read: Where the step read a tensor value that the estimate answered without having it (``file:line in
             function``, at most 8): a floating-point value with 0.0 (``loss.item()`` to log it), a NaN or infinity
             check as for finite values. Empty where the step read none.
+        ddp_bucket_bytes: Bytes of DDP's gradient buckets the estimate holds alive throughout (``other`` in the rows;
+            0 where the run is not DDP's or its gradients are views of the buckets).
     """
 
     records: tuple[PhaseRecord, ...]
@@ -60,6 +62,7 @@ class Estimate:
     compiled: bool = False
     values_read: tuple[str, ...] = ()
     sparse_gradients: bool = False
+    ddp_bucket_bytes: int = 0
 
     def __repr__(self) -> str:
         """One line, as :meth:`describe` with the peak (the rows are in ``records``, the table in :meth:`table`)."""
@@ -133,6 +136,7 @@ class Estimate:
             "compiled": self.compiled,
             "values_read": list(self.values_read),
             "sparse_gradients": self.sparse_gradients,
+            "ddp_bucket_bytes": self.ddp_bucket_bytes,
             "peak_bytes": self.peak_bytes,
             "phase_peaks": {p.value: v for p, v in self.phase_peaks().items()},
             "categories": {c.value: v for c, v in self.category_bytes().items()},
@@ -182,6 +186,9 @@ class Estimate:
             parts.append(f"attention {self.attention}")
         if self.world_size > 1:
             parts.append(f"FSDP2 over {self.world_size} ranks (rank 0)")
+        if self.ddp_bucket_bytes:
+            buckets = format_bytes(self.ddp_bucket_bytes)
+            parts.append(f"DDP with gradient buckets of {buckets} (gradient_as_bucket_view=False)")
         if self.compiled:
             parts.append("compiled module estimated eagerly (a compiled graph may save less)")
         if self.sparse_gradients:

@@ -37,6 +37,7 @@ from lightning_memtrace.estimator.fake import (
     value_dependent_errors,
 )
 from lightning_memtrace.estimator.inputs import Precision, batch_dims
+from lightning_memtrace.capture.ddp_buckets import bucket_bytes
 from lightning_memtrace.estimator.grouped_mm import grouped_mm_in_every_dtype
 from lightning_memtrace.estimator.layer_drop import no_layer_dropped
 from lightning_memtrace.estimator.loop import run_steps
@@ -61,6 +62,7 @@ def estimate(
     prefetch: bool = False,
     world_size: int = 1,
     prepare: Callable[[nn.Module], Any] | None = None,
+    ddp_buckets: bool = False,
 ) -> Estimate:
     """Estimate the memory of training ``module`` on ``batch`` by running real steps on fake tensors.
 
@@ -102,6 +104,9 @@ def estimate(
         prepare: ``fn(fake_model)`` changing the fake copy in place before checkpointing and the optimizer is built
             (a what-if remedy: checkpointed blocks, ``requires_grad``). It runs under the fake mode; it should add no
             parameters (add those to the module before, e.g. on a meta copy).
+        ddp_buckets: The run is data-parallel with ``DistributedDataParallel(gradient_as_bucket_view=False)`` (DDP's
+            and Lightning's ``DDPStrategy``'s default): DDP's gradient buckets, a second copy of the gradients, are
+            alive from before the first batch (:attr:`Estimate.ddp_bucket_bytes`; ``other`` in the rows).
 
     Returns:
         An :class:`Estimate` with the callback's rows for every estimated batch and the closed-form figures.
@@ -122,6 +127,7 @@ def estimate(
         prefetch=prefetch,
         world_size=world_size,
         prepare=prepare,
+        ddp_buckets=ddp_buckets,
     )
     # Following NaN and infinity checks costs a Python call per op: only for a step that has one. The first run stops
     # there, and the step is remembered (the what-if estimates it again and again); a module replaced in place cannot
@@ -156,6 +162,7 @@ def _estimate(
     prefetch: bool,
     world_size: int,
     prepare: Callable[[nn.Module], Any] | None,
+    ddp_buckets: bool,
     finite_checks: bool,
 ) -> Estimate:
     started = time.perf_counter()
@@ -172,6 +179,8 @@ def _estimate(
         raise ValueError("manual optimization is not supported by the estimate: use automatic optimization")
 
     world_size = check_world_size(world_size)
+    if ddp_buckets and world_size > 1:
+        raise ValueError("ddp_buckets is for a DDP run and world_size > 1 for an FSDP one: a run is one or the other")
     world = fake_world(world_size, fake_device.type) if world_size > 1 else contextlib.nullcontext()
     mode = fake_mode()
     with (
@@ -211,6 +220,7 @@ def _estimate(
                     lightning,
                     training_step,
                     prefetch,
+                    ddp_buckets,
                 )
             except FiniteCheckNeeded:
                 raise
@@ -239,6 +249,7 @@ def _estimate(
         compiled=compiled,
         values_read=tuple(values_read.places),
         sparse_gradients=_has_sparse_gradients(model),
+        ddp_bucket_bytes=bucket_bytes(model) if ddp_buckets else 0,
     )
 
 
@@ -251,6 +262,7 @@ def estimate_for_module(
     gradient_checkpointing: bool = False,
     device: torch.device | str | None = None,
     steps: int = 3,
+    ddp_buckets: bool = False,
 ) -> Estimate:
     """The estimate for the callback: the real LightningModule and its first batch, copied onto fake tensors.
 
@@ -263,6 +275,7 @@ def estimate_for_module(
         gradient_checkpointing: Turn checkpointing on in the copy (False keeps the module's own setting).
         device: Device to estimate for; default the module's.
         steps: Optimizer steps to estimate; 3 covers the callback's default window.
+        ddp_buckets: The Trainer's model is DDP's, with its gradient buckets (see :func:`estimate`).
     """
     return estimate(
         pl_module,
@@ -273,6 +286,7 @@ def estimate_for_module(
         gradient_checkpointing=gradient_checkpointing,
         device=device if device is not None else _module_device(pl_module),
         steps=steps,
+        ddp_buckets=ddp_buckets,
     )
 
 

@@ -158,6 +158,7 @@ class ModuleSetup(Setup):
             steps=self.steps,
             prepare=rm.prepare_for(settings),
             world_size=settings.world_size,
+            ddp_buckets=settings.ddp_buckets,
         )
 
     def block_parameter_bytes(self, settings: Settings) -> int:
@@ -200,6 +201,7 @@ class ConfigSetup(Setup):
             optimizer_factory=rm.optimizer_factory_for(settings, self._base_factory) if changed else None,
             prepare=rm.prepare_for(settings),
             fsdp=settings.world_size,
+            ddp_buckets=settings.ddp_buckets,
             **self.options,
         )
 
@@ -577,6 +579,8 @@ def what_if_for_setup(
         OutOfTime: The deadline came before today's estimate could start.
     """
     chosen = sorted({Remedy.parse(r) for r in (remedies or list(Remedy))}, key=list(Remedy).index)
+    if not remedies and not setup.settings.ddp_buckets:
+        chosen.remove(Remedy.GRADIENT_AS_BUCKET_VIEW)  # only for DDP runs: not listed as skipped elsewhere
     engine = _Engine(setup, device_memory, devices, max_batch, max_batch_size, deadline)
     if deadline is None:
         explicit = remedies is not None
@@ -629,6 +633,7 @@ def what_if_result(
     max_batch: bool = True,
     deadline: float | None = None,
     jobs: int = 1,
+    ddp_buckets: bool = False,
 ) -> WhatIf:
     """What would fit, for a module and an example batch (as :func:`~lightning_memtrace.estimator.estimate` takes
     them): today's estimate, each remedy's, and the cheapest combination that fits ``device_memory``.
@@ -644,6 +649,8 @@ def what_if_result(
         max_batch: Search each remedy's largest fitting micro-batch (needs ``device_memory``).
         deadline: ``time.monotonic()`` seconds after which no estimate starts (see :func:`what_if_for_setup`).
         jobs: Worker processes for the estimates (see :func:`what_if_for_setup`).
+        ddp_buckets: Today's run is DDP's with its gradient buckets (``gradient_as_bucket_view=False``): they are
+            estimated, and remedy ``gradient_as_bucket_view`` is tried.
     """
     from lightning_memtrace.estimator.inputs import Precision, batch_dims
 
@@ -652,6 +659,7 @@ def what_if_result(
         batch_size=batch_dims(batch)[0],
         accumulate_grad_batches=max(1, int(accumulate_grad_batches)),
         gradient_checkpointing=bool(gradient_checkpointing),
+        ddp_buckets=bool(ddp_buckets),
     )
     setup = ModuleSetup(module, batch, settings, optimizer_factory, training_step, device, steps)
     memory = _bytes(device_memory)
@@ -697,6 +705,7 @@ def what_if_from_config(
     max_batch: bool = True,
     max_batch_size: int = 4096,
     jobs: int = 1,
+    ddp_buckets: bool = False,
 ) -> WhatIf:
     """What would fit, for a Hugging Face causal LM from its config (as
     :func:`~lightning_memtrace.estimator.estimate_from_config` takes it); see :func:`what_if_result` (and
@@ -708,6 +717,7 @@ def what_if_from_config(
         batch_size=int(batch_size),
         accumulate_grad_batches=max(1, int(accumulate_grad_batches)),
         gradient_checkpointing=bool(gradient_checkpointing),
+        ddp_buckets=bool(ddp_buckets),
     )
     setup = ConfigSetup(config, seq_len, settings, model, optimizer=optimizer, device=device, steps=steps)
     return what_if_for_setup(
@@ -754,6 +764,8 @@ def _strategy(picked: Sequence[Remedy], devices: int) -> list[str]:
         return [f"devices={devices}", 'strategy="fsdp"']
     if Remedy.OPTIMIZER_OFFLOAD in picked:
         return ["strategy=DeepSpeedStrategy(stage=2, offload_optimizer=True)"]
+    if Remedy.GRADIENT_AS_BUCKET_VIEW in picked:
+        return ["strategy=DDPStrategy(gradient_as_bucket_view=True)"]
     return []
 
 

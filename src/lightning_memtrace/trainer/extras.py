@@ -12,6 +12,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_memtrace.atomic import atomic_write_text
+from lightning_memtrace.capture.ddp_buckets import bucket_bytes, has_gradient_buckets
 from lightning_memtrace.capture.oom import say_what_if_runs
 from lightning_memtrace.files import PHASES_GLOB, phases_filename, what_if_filename
 from lightning_memtrace.units import MIB
@@ -31,6 +32,7 @@ def estimate_run(trainer: pl.Trainer, batch: Any) -> tuple[Any, dict[str, float]
             batch,
             precision=trainer.precision,
             accumulate_grad_batches=trainer.accumulate_grad_batches,
+            ddp_buckets=has_ddp_buckets(trainer),
         )
     except Exception as error:
         rank_zero_warn(f"MemTrace could not estimate this run ({type(error).__name__}: {error}); measuring only.")
@@ -42,6 +44,19 @@ def estimate_run(trainer: pl.Trainer, batch: Any) -> tuple[Any, dict[str, float]
     }
     metrics["memtrace/estimate/peak"] = estimate.peak_bytes / MIB
     return estimate, metrics
+
+
+def has_ddp_buckets(trainer: pl.Trainer) -> bool:
+    """Whether the Trainer's model is DDP's with gradient buckets beside the gradients (see
+    :mod:`~lightning_memtrace.capture.ddp_buckets`)."""
+    return has_gradient_buckets(getattr(trainer.strategy, "model", None))
+
+
+def ddp_bucket_bytes(trainer: pl.Trainer) -> int:
+    """The bytes of DDP's gradient buckets beside the gradients on this rank (0 where there are none)."""
+    if not has_ddp_buckets(trainer):
+        return 0
+    return bucket_bytes(trainer.strategy.model.module)
 
 
 def compare_with_run(estimate: Any, folder: Path | None, rank: int) -> Any:
@@ -93,6 +108,7 @@ def what_if_for_fit(trainer: pl.Trainer, batch: Any, budget_s: float) -> Any:
         precision=str(trainer.precision),
         accumulate_grad_batches=trainer.accumulate_grad_batches,
         hint=WHAT_IF_HINT,
+        ddp_buckets=has_ddp_buckets(trainer),
     )
 
 
