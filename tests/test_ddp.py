@@ -13,6 +13,9 @@ from lm_helpers import launcher_env
 from test_console import CPP_LINE
 
 from lightning_memtrace import load_phases
+from lightning_memtrace.analysis.findings import compute_findings
+from lightning_memtrace.analysis.loader import load_snapshot
+from lightning_memtrace.analysis.replay import replay
 
 SCRIPT = Path(__file__).resolve().parent / "ddp_run.py"
 
@@ -91,6 +94,15 @@ def test_ddp_estimate_holds_the_buckets_and_the_what_if_removes_them(tmp_path):
     assert int(compared["other"]["measured_bytes"]) >= WIDE_BUCKET_BYTES
     assert abs(int(compared["other"]["error_bytes"])) <= 64
     assert abs(float(compared["peak"]["error_percent"])) < 0.01
+    # the snapshot's header names them, and its findings say what saves them
+    snapshot = load_snapshot(folder / "snapshot_rank0_steps1-2.pickle")
+    assert snapshot.memtrace["ddp_bucket_bytes"] == WIDE_BUCKET_BYTES
+    replayed = replay(snapshot)
+    (finding,) = [f for f in compute_findings(replayed) if f.code == "ddp_buckets"]
+    assert finding.numbers["ddp_bucket_bytes"] == WIDE_BUCKET_BYTES
+    # made again by DDP in step 1's forward and kept: "other" at the peak, not activations
+    at_peak = replayed.peak.by_category
+    assert at_peak["other"] >= WIDE_BUCKET_BYTES and at_peak.get("activations", 0) < WIDE_BUCKET_BYTES
     what_if = json.loads((folder / "what_if_rank0.json").read_text())
     rows = {row["remedy"]: row for row in what_if["what_if"]}
     row = rows["gradient_as_bucket_view"]
@@ -101,6 +113,7 @@ def test_ddp_estimate_holds_the_buckets_and_the_what_if_removes_them(tmp_path):
     folder = tmp_path / "views" / "logs" / "version_0" / "memtrace"
     compared = _comparison(folder)
     assert abs(int(compared["other"]["error_bytes"])) <= 64  # no buckets beside the gradients, none estimated
+    assert load_snapshot(folder / "snapshot_rank0_steps1-2.pickle").memtrace["ddp_bucket_bytes"] == 0
     assert abs(row["peak_bytes"] - int(compared["peak"]["measured_bytes"])) <= 1e-4 * row["peak_bytes"]
 
 

@@ -36,10 +36,12 @@ def build_header(
     phases: list[dict[str, Any]],
     run: str = "",
     category_rules: dict[str, str] | None = None,
+    ddp_bucket_bytes: int = 0,
 ) -> dict[str, Any]:
     """The header of a snapshot covering ``steps`` (first, last); ``phases``: ``{"step", "phase", "time_us"}`` marks;
     ``run``: the run id of the rows the snapshot goes with (the CSV's ``run`` column); ``category_rules``: the run's
-    user rules for categories, ``{name: regex}`` in matching order (``{}``: none), which readers apply by default."""
+    user rules for categories, ``{name: regex}`` in matching order (``{}``: none), which readers apply by default;
+    ``ddp_bucket_bytes``: DDP's gradient buckets beside the gradients, among the ``other`` bytes (0: none)."""
     return {
         "format": SNAPSHOT_FORMAT,
         "producer": PRODUCER,
@@ -52,6 +54,7 @@ def build_header(
         "phases": phases,
         "run": run,
         "category_rules": dict(category_rules or {}),
+        "ddp_bucket_bytes": int(ddp_bucket_bytes),
     }
 
 
@@ -77,6 +80,12 @@ def header_category_rules(header: dict[str, Any] | None) -> dict[str, Any] | Non
     The reader checks them (:class:`~lightning_memtrace.analysis.rules.CategoryRules`): a header is untrusted input."""
     rules = (header or {}).get("category_rules")
     return rules if isinstance(rules, dict) and rules else None
+
+
+def header_ddp_bucket_bytes(header: dict[str, Any] | None) -> int:
+    """The bytes of DDP's gradient buckets the header names (0: none, not said, or not a byte count)."""
+    value = (header or {}).get("ddp_bucket_bytes")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 def header_is_cpu(header: dict[str, Any] | None) -> bool:

@@ -7,6 +7,7 @@ import pandas as pd
 from lightning_memtrace.analysis.findings import (
     compute_findings,
     compute_findings_phases_only,
+    ddp_buckets_finding,
     devices_finding,
     fragmentation_finding,
     oom_findings,
@@ -167,3 +168,21 @@ def test_unknown_frees_on_memtrace_snapshots_name_the_window() -> None:
     assert "window (steps 1-2)" in finding.message and "before MemTrace opened it" in finding.message
     plain = unknown_frees_finding(replay(_snap(trace)))[0]
     assert "ring buffer" in plain.message  # a snapshot from elsewhere: the trace may really have been cut
+
+
+def test_ddp_buckets_from_memtraces_header() -> None:
+    """The header's DDP bucket bytes, where they hold 5% of the peak or more: the bytes and what saves them."""
+    trace = [_tagged("alloc", 16, 9000, 1, "forward", 1, "other"), _tagged("alloc", 32, 1000, 2, "forward", 1, "other")]
+    header = {"device": "cuda:0", "steps": [1, 1], "ddp_bucket_bytes": 2000}
+    (finding,) = ddp_buckets_finding(replay(_snap(trace, memtrace=header)))
+    assert finding.code == "ddp_buckets" and finding.numbers == {"ddp_bucket_bytes": 2000, "peak_bytes": 10000}
+    assert finding.message == (
+        "DDP's gradient buckets hold 2.0 KiB (2,000 B, 20% of the peak), counted in other: with "
+        "gradient_as_bucket_view=False (DDP's default) they are a second copy of the gradients; "
+        "Trainer(strategy=DDPStrategy(gradient_as_bucket_view=True)) makes the gradients views of the buckets and "
+        "saves 2.0 KiB on every rank"
+    )
+    assert "ddp_buckets" in [f.code for f in compute_findings(replay(_snap(trace, memtrace=header)))]
+    for ignored in (499, 0, -5, True, "2000", None):  # under 5% of the peak, or not a byte count (untrusted header)
+        assert ddp_buckets_finding(replay(_snap(trace, memtrace={**header, "ddp_bucket_bytes": ignored}))) == []
+    assert ddp_buckets_finding(replay(_snap(trace, ddp_bucket_bytes=2000))) == []  # not MemTrace's header

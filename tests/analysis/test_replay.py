@@ -399,6 +399,29 @@ def test_inference_rules_on_a_training_step() -> None:
     assert not dev.reserved_known or dev.timeline["reserved_bytes"].iloc[-1] == 4096
 
 
+def test_ddp_buckets_are_other_not_activations() -> None:
+    """DDP makes its gradient buckets again in the second forward (``_pre_forward``), and keeps them: by the rule for
+    the forward they would be activations; DDP's own frames make them "other". The model's own forward under DDP's
+    ``forward`` stays activations."""
+    ddp = "/venv/lib/python3.11/site-packages/torch/nn/parallel/distributed.py"
+    call = ("_call_impl", "/venv/lib/python3.11/site-packages/torch/nn/modules/module.py")
+    rebuild = _frames(("_pre_forward", ddp), ("forward", ddp), call, ("training_step", "/home/u/train.py"))
+    model = _frames(("forward", "/home/u/model.py"), call, ("_run_ddp_forward", ddp), ("forward", ddp), call)
+    bwd = [{"name": "torch::autograd::Engine::evaluate_function()", "filename": "??", "line": 0}]
+    ev = [
+        {"action": "alloc", "addr": 1, "size": 4000, "frames": rebuild},  # the buckets, kept
+        {"action": "alloc", "addr": 2, "size": 200, "frames": model},  # an activation, kept past the forward
+        {"action": "free_completed", "addr": 2, "size": 200, "frames": bwd},
+    ]
+    categories = replay({"segments": [], "device_traces": [ev]}).main.allocations
+    assert dict(zip(categories["size"].astype(int), categories["category"].astype(str))) == {
+        4000: "other",
+        200: "activations",
+    }
+    assert analyze_frames(rebuild).forced_category == CATEGORIES.index("other")
+    assert analyze_frames(model).forced_category == -1
+
+
 def test_several_devices_and_no_times() -> None:
     snap = {
         "segments": [],
@@ -627,6 +650,8 @@ _POOL = [
     {"name": "MmBackward0::apply", "filename": "", "line": 0},
     {"name": "step", "filename": "/site-packages/torch/optim/adamw.py", "line": 9},
     {"name": 1, "filename": 1.0, "line": True},  # odd values: equal dicts must still say the same
+    {"name": "_pre_forward", "filename": "/site-packages/torch/nn/parallel/distributed.py", "line": 1775},
+    {"name": "forward", "filename": "/site-packages/torch/nn/parallel/distributed.py", "line": 1886},
 ]
 
 

@@ -10,7 +10,8 @@ import pandas as pd
 
 from lightning_memtrace.analysis.growth import growth
 from lightning_memtrace.analysis.model import Replay
-from lightning_memtrace.schema import header_is_cpu, header_steps
+from lightning_memtrace.capture.ddp_buckets import BUCKET_VIEW_STRATEGY
+from lightning_memtrace.schema import header_ddp_bucket_bytes, header_is_cpu, header_steps
 from lightning_memtrace.types import ROW_CATEGORIES, STAGES, Stage, TextEnum, category_label
 from lightning_memtrace.units import format_bytes, percent
 
@@ -265,6 +266,26 @@ def oom_findings(replay: Replay) -> list[Finding]:
     return out
 
 
+#: DDP's buckets below this share of the peak get no finding.
+DDP_BUCKETS_MIN_SHARE = 0.05
+
+
+def ddp_buckets_finding(replay: Replay) -> list[Finding]:
+    """DDP's gradient buckets beside the gradients (MemTrace's header says their bytes), where they hold a real share
+    of the peak: what ``gradient_as_bucket_view=True`` would save."""
+    held = header_ddp_bucket_bytes(replay.memtrace) if replay.is_memtrace else 0
+    peak = replay.main.peak.live_bytes
+    if held <= 0 or peak <= 0 or held < DDP_BUCKETS_MIN_SHARE * peak:
+        return []
+    message = (
+        f"DDP's gradient buckets hold {format_bytes(held)} ({held:,} B, {percent(held, peak):.0f}% of the peak), "
+        "counted in other: with gradient_as_bucket_view=False (DDP's default) they are a second copy of the "
+        f"gradients; Trainer(strategy={BUCKET_VIEW_STRATEGY}) makes the gradients views of the buckets and saves "
+        f"{format_bytes(held)} on every rank"
+    )
+    return [Finding("ddp_buckets", message, Severity.WARNING, {"ddp_bucket_bytes": held, "peak_bytes": peak})]
+
+
 def devices_finding(replay: Replay) -> list[Finding]:
     """Several devices in one snapshot: their peaks, and which one the report shows."""
     if len(replay.devices) <= 1:
@@ -290,6 +311,7 @@ def compute_findings(replay: Replay, phases: pd.DataFrame | None = None, max_sit
     out += stale_gradients_finding(replay)
     out += fragmentation_finding(replay)
     out += top_site_findings(replay, max_sites)
+    out += ddp_buckets_finding(replay)
     out += pre_existing_finding(replay)
     out += unknown_frees_finding(replay)
     out += oom_findings(replay)

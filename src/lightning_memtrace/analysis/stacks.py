@@ -53,7 +53,11 @@ class FrameInfo:
     forced_category: int = -1
 
 
-F_BWD, F_OPT, F_ZG, F_INIT, F_FWD, F_WORKSPACE = 1, 2, 4, 8, 16, 32
+#: F_OTHER: memory of no category, by where it is made: a CUDA library's workspace, DDP's gradient buckets.
+F_BWD, F_OPT, F_ZG, F_INIT, F_FWD, F_OTHER = 1, 2, 4, 8, 16, 32
+#: DDP's methods that make its gradient buckets: when it wraps the model, and again before the second forward.
+_DDP_FILE = "/torch/nn/parallel/distributed.py"
+_DDP_BUCKET_MAKERS = frozenset({"__init__", "_ddp_init_helper", "_pre_forward", "_rebuild_buckets"})
 _ALLOCATOR_WORDS = (
     "unwind",
     "CapturedTraceback",
@@ -82,9 +86,10 @@ def _line_number(value: Any) -> int:
 
 
 def _python_flags(name: str, filename: str) -> int:
-    """The stage flag a Python frame raises (0: none), first match wins."""
+    """The flag a Python frame raises (a stage's, or :data:`F_OTHER`; 0: none), first match wins."""
     in_modules = "/nn/modules/" in filename
     rules = (
+        (name in _DDP_BUCKET_MAKERS and filename.endswith(_DDP_FILE), F_OTHER),
         (
             name in ("backward", "_engine_run_backward", "_make_grads", "grad")
             and "/torch/" in filename
@@ -108,7 +113,7 @@ def _native_facts(name: str) -> FrameFacts:
     if "autograd::Engine" in name or "PythonEngine" in name:
         flags |= F_BWD
     if "Workspace" in name and "cuda" in name:
-        flags |= F_WORKSPACE
+        flags |= F_OTHER
     node = name if ("Backward" in name and "::apply" in name) else None
     caller = None
     if name and not any(k in name for k in _ALLOCATOR_WORDS):
@@ -205,7 +210,7 @@ def analyze_frames(frames: Sequence[dict[str, Any]] | None, table: SiteTable | N
     site = user or library_py
     if site is None:
         site = node_site(node) if node is not None else (Site("", 0, caller) if caller is not None else UNKNOWN_SITE)
-    return FrameInfo(stage_of_flags(flags), site, _OTHER_CODE if flags & F_WORKSPACE else -1)
+    return FrameInfo(stage_of_flags(flags), site, _OTHER_CODE if flags & F_OTHER else -1)
 
 
 def _unique_frame_facts(
@@ -352,7 +357,7 @@ def analyze_lists(lists: list[Any], table: SiteTable) -> tuple[np.ndarray, np.nd
         [S_BWD, S_OPT, S_ZG, S_INIT, S_FWD],
         S_OUT,
     ).astype(np.int8)
-    forced = np.where(flags & F_WORKSPACE > 0, _OTHER_CODE, -1).astype(np.int16)
+    forced = np.where(flags & F_OTHER > 0, _OTHER_CODE, -1).astype(np.int16)
     positions = np.arange(total, dtype=np.int64)
     big = np.int64(total + 1)
     chosen = np.full(m, -1, dtype=np.int64)

@@ -13,10 +13,14 @@ peak are a DDP rank's; a real run's MemTrace counts them as ``other``.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-import torch
-from torch import Tensor, nn
+if TYPE_CHECKING:  # torch is imported where a function needs it: the analysis side reads the remedy's text alone
+    import torch
+    from torch import Tensor, nn
 
+#: Lightning's strategy that makes DDP's gradients views of its buckets (no second copy), as a ``Trainer`` takes it.
+BUCKET_VIEW_STRATEGY = "DDPStrategy(gradient_as_bucket_view=True)"
 #: DDP's default limits on a bucket's bytes: the first bucket, then every other one (``bucket_cap_mb=25``).
 FIRST_BUCKET_BYTES = 1024**2
 BUCKET_BYTES = 25 * 1024**2
@@ -59,6 +63,8 @@ def bucket_bytes(model: nn.Module) -> int:
 def bucket_tensors(model: nn.Module, device: torch.device) -> list[Tensor]:
     """Tensors as large as DDP's gradient buckets for ``model`` (one per bucket), made on ``device`` (under a fake
     mode: fake tensors). Keep them for as long as the run they stand for."""
+    import torch
+
     return [
         torch.empty(sum(p.numel() for p in group), dtype=group[0].dtype, device=device)
         for group in _bucketed(model.parameters())

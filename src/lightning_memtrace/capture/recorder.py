@@ -221,9 +221,9 @@ class MemoryRecorder:
         self.window.run_last_step = None if step is None else int(step)
 
     def note_ddp_buckets(self, nbytes: int) -> None:
-        """DDP's gradient buckets beside the gradients hold ``nbytes`` (counted as ``other``): an out-of-memory
-        post-mortem names them, and what turns them off."""
-        self.oom.ddp_bucket_bytes = int(nbytes)
+        """DDP's gradient buckets beside the gradients hold ``nbytes`` (counted as ``other``): the snapshots' header
+        and an out-of-memory post-mortem name them, and what turns them off."""
+        self.oom.ddp_bucket_bytes = self.window.ddp_bucket_bytes = int(nbytes)
 
     def start(self) -> MemoryRecorder:
         if self.started:

@@ -113,6 +113,9 @@ class HistoryWindow:
     #: The last step the run will reach, where known (the Trainer's ``estimated_stepping_batches`` less one): a run
     #: that ends before the window would open gets one over its last steps instead of none.
     run_last_step: int | None = None
+    #: DDP's gradient buckets beside the gradients (see :mod:`~lightning_memtrace.capture.ddp_buckets`), put in the
+    #: header.
+    ddp_bucket_bytes: int = 0
     _first_step: int | None = dataclasses.field(default=None, init=False)
     # The step of the latest training batch: validation after the last one takes rows at the next step's number.
     _last_training_step: int | None = dataclasses.field(default=None, init=False)
@@ -232,6 +235,7 @@ class HistoryWindow:
             ],
             run=self.run_id,
             category_rules=dict(self.config.category_rules or ()),
+            ddp_bucket_bytes=self.ddp_bucket_bytes,
         )
 
     def write_snapshot(self, step: int, name: str | None = None) -> Path | None:

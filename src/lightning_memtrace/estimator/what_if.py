@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_memtrace.capture.ddp_buckets import BUCKET_VIEW_STRATEGY
 from lightning_memtrace.estimator import remedies as rm
 from lightning_memtrace.estimator.inputs import InputSpec, map_batch
 from lightning_memtrace.estimator.remedies import FORMULA_REMEDIES, PRICES, Remedy, Settings
@@ -765,7 +766,7 @@ def _strategy(picked: Sequence[Remedy], devices: int) -> list[str]:
     if Remedy.OPTIMIZER_OFFLOAD in picked:
         return ["strategy=DeepSpeedStrategy(stage=2, offload_optimizer=True)"]
     if Remedy.GRADIENT_AS_BUCKET_VIEW in picked:
-        return ["strategy=DDPStrategy(gradient_as_bucket_view=True)"]
+        return [f"strategy={BUCKET_VIEW_STRATEGY}"]
     return []
 
 
