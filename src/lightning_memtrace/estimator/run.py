@@ -43,7 +43,13 @@ from lightning_memtrace.estimator.layer_drop import no_layer_dropped
 from lightning_memtrace.estimator.loop import run_steps
 from lightning_memtrace.estimator.result import Estimate
 from lightning_memtrace.estimator.tensor_values import FiniteCheckNeeded, values_answered
-from lightning_memtrace.estimator.sharded import check_world_size, fake_world, shard_like_the_run, sharding_label
+from lightning_memtrace.estimator.sharded import (
+    check_world_size,
+    fake_world,
+    shard_like_the_run,
+    sharded_already,
+    sharding_label,
+)
 from lightning_memtrace.types import Phase, PhaseRecord
 
 
@@ -178,6 +184,13 @@ def _estimate(
         # Before the fake copy and configure_optimizers: for a large model those take a while.
         raise ValueError("manual optimization is not supported by the estimate: use automatic optimization")
 
+    sharded = sharded_already(module)
+    if sharded is not None:
+        raise ValueError(
+            f"{type(module).__name__} is sharded in this process already ({sharded}): the estimate copies a module "
+            "before it is sharded; estimate the run beforehand, e.g. estimate(module, batch, world_size=N) on the "
+            "unsharded module or `memtrace estimate --config ... --fsdp N`"
+        )
     world_size = check_world_size(world_size)
     if ddp_buckets and world_size > 1:
         raise ValueError("ddp_buckets is for a DDP run and world_size > 1 for an FSDP one: a run is one or the other")

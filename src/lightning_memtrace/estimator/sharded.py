@@ -56,6 +56,25 @@ def shard_like_the_run(model: nn.Module, mesh: Any, reshard_after_forward: bool 
     return len(blocks)
 
 
+def sharded_already(module: nn.Module) -> str | None:
+    """How ``module`` is sharded in this process already (``"FSDP2 (fully_shard)"``, ``"FSDP"``, ``"DTensor
+    parameters"``), or None: such a module cannot be copied onto fake tensors, and its real process group leaves no
+    room for the estimate's fake one."""
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without torch.distributed: nothing can be sharded
+        return None
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            return "FSDP2 (fully_shard)"
+        if isinstance(sub, FullyShardedDataParallel):
+            return "FSDP"
+    if any(isinstance(p, DTensor) for p in module.parameters()):
+        return "DTensor parameters"
+    return None
+
+
 def sharding_label(world_size: int, blocks: int) -> str:
     """How the estimate sharded the module, in words (``""`` unsharded)."""
     if world_size <= 1:

@@ -1,5 +1,6 @@
-"""The estimate of a DDP rank: DDP's gradient buckets (``gradient_as_bucket_view=False``) held from the start, and the
-``gradient_as_bucket_view`` remedy of the what-if. The same against real 2-process DDP runs: tests/test_ddp.py."""
+"""The estimate of a distributed run's rank. DDP: its gradient buckets (``gradient_as_bucket_view=False``) held from
+the start, and the ``gradient_as_bucket_view`` remedy of the what-if (the same against real 2-process DDP runs:
+tests/test_ddp.py). A module sharded already: refused in one line."""
 
 from __future__ import annotations
 
@@ -71,3 +72,22 @@ def test_what_if_offers_bucket_views_only_to_a_ddp_run(estimates):
     assert "gradient_as_bucket_view" not in {r.remedy for r in default.rows} | set(default.skipped)
     asked = what_if_result(_mlp(), BATCH, device="cpu", steps=3, max_batch=False, remedies=["gradient_as_bucket_view"])
     assert asked.skipped == {"gradient_as_bucket_view": "not a DDP run with gradient_as_bucket_view=False"}
+
+
+def test_a_module_sharded_already_is_refused_in_one_line():
+    """A module ``fully_shard``-ed in this process (a fit under ModelParallelStrategy) cannot be copied onto fake
+    tensors: the error says so and what to do instead (not FSDP's "does not support deepcopy")."""
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_memtrace.estimator.sharded import fake_world
+
+    module = _mlp()
+    with fake_world(2) as mesh:
+        for layer in module.net:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        with pytest.raises(ValueError) as raised:
+            estimate(module, BATCH, device="cpu")
+    message = str(raised.value)
+    assert message.startswith("MLP is sharded in this process already (FSDP2 (fully_shard)): the estimate copies")
+    assert "world_size=N" in message and "--fsdp N" in message and "deepcopy" not in message
