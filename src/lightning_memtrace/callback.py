@@ -185,8 +185,10 @@ class MemTrace(Callback):
             **Post-mortem**, within ``what_if_budget_s``), written as ``what_if_rank<R>.csv`` (one row per remedy:
             ``remedy``, ``peak_bytes``, ``saved_bytes``, ``fits``, ``max_micro_batch``, ``kind``, ``price``,
             ``<category>_bytes``; bytes) and ``what_if_rank<R>.json`` (also the combination, its snippet, the skipped
-            remedies), which the report shows as "What would fit". Automatic optimization only: under manual
-            optimization one warning says that no estimate is made.
+            remedies), which the report shows as "What would fit". Under DDP with ``gradient_as_bucket_view=False``
+            both hold DDP's gradient buckets (and the what-if tries ``gradient_as_bucket_view``). Automatic
+            optimization only: under manual optimization, or with a module sharded already (FSDP), one warning says
+            that no estimate is made.
         allocation_backend: How the CPU tracker sees allocations. ``"auto"`` (default): the CPU allocator's own
             reports, read through a profiler session that records nothing else (no Python work per operator; the
             dispatch mode runs only in the history window, for stacks), or the dispatch mode where that session

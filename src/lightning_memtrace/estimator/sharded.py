@@ -60,19 +60,31 @@ def sharded_already(module: nn.Module) -> str | None:
     """How ``module`` is sharded in this process already (``"FSDP2 (fully_shard)"``, ``"FSDP"``, ``"DTensor
     parameters"``), or None: such a module cannot be copied onto fake tensors, and its real process group leaves no
     room for the estimate's fake one."""
-    try:
-        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch without torch.distributed: nothing can be sharded
-        return None
+    fsdp2 = _classes(("torch.distributed.fsdp", "FSDPModule"), ("torch.distributed._composable.fsdp", "FSDPModule"))
+    fsdp1 = _classes(("torch.distributed.fsdp", "FullyShardedDataParallel"))
+    dtensor = _classes(("torch.distributed.tensor", "DTensor"), ("torch.distributed._tensor", "DTensor"))
     for sub in module.modules():
-        if isinstance(sub, FSDPModule):
+        if fsdp2 and isinstance(sub, fsdp2):
             return "FSDP2 (fully_shard)"
-        if isinstance(sub, FullyShardedDataParallel):
+        if fsdp1 and isinstance(sub, fsdp1):
             return "FSDP"
-    if any(isinstance(p, DTensor) for p in module.parameters()):
+    if dtensor and any(isinstance(p, dtensor) for p in module.parameters()):
         return "DTensor parameters"
     return None
+
+
+def _classes(*places: tuple[str, str]) -> tuple[type, ...]:
+    """The classes found at ``(module, name)`` places in this torch (they moved between versions; a torch without
+    ``torch.distributed`` has none)."""
+    import importlib
+
+    found = []
+    for module_name, name in places:
+        try:
+            found.append(getattr(importlib.import_module(module_name), name))
+        except (ImportError, AttributeError):
+            continue
+    return tuple(found)
 
 
 def sharding_label(world_size: int, blocks: int) -> str:
