@@ -57,6 +57,9 @@ def test_tool_arguments_become_the_command_line() -> None:
     argv = cli_mcp.estimate_argv("c.json", 32, batch_size=2, gradient_checkpointing=True, device_memory="80GiB")
     assert argv == ["estimate", "--config=c.json", "--seq-len=32", "--batch-size=2", "--gradient-checkpointing",
                     "--device-memory=80GiB"]  # fmt: skip
+    assert cli_mcp.estimate_argv("c.json", 32, batch_size=2, ddp=True) == [
+        "estimate", "--config=c.json", "--seq-len=32", "--batch-size=2", "--ddp"
+    ]  # fmt: skip
 
 
 # --- through the MCP SDK ------------------------------------------------------------------------------------------
@@ -108,7 +111,7 @@ def test_tools_listed(mcp_client: Any) -> None:
     assert tools["summary"].input_schema["required"] == ["path"]
     assert set(tools["diff"].input_schema["required"]) == {"base", "other"}
     assert {"config", "batch_size", "seq_len", "precision", "device", "optimizer", "gradient_checkpointing", "fsdp",
-            "device_memory"} <= set(tools["estimate"].input_schema["properties"])  # fmt: skip
+            "device_memory", "ddp"} <= set(tools["estimate"].input_schema["properties"])  # fmt: skip
 
 
 @pytest.mark.parametrize(
