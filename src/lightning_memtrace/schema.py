@@ -83,9 +83,10 @@ def header_category_rules(header: dict[str, Any] | None) -> dict[str, Any] | Non
 
 
 def header_ddp_bucket_bytes(header: dict[str, Any] | None) -> int:
-    """The bytes of DDP's gradient buckets the header names (0: none, not said, or not a byte count)."""
+    """The bytes of DDP's gradient buckets the header names (0: none, not said, or not a byte count a device holds)."""
     value = (header or {}).get("ddp_bucket_bytes")
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+    valid = isinstance(value, int) and not isinstance(value, bool) and 0 < value < 1 << 63
+    return value if valid else 0
 
 
 def header_is_cpu(header: dict[str, Any] | None) -> bool:

@@ -183,6 +183,6 @@ def test_ddp_buckets_from_memtraces_header() -> None:
         "saves 2.0 KiB on every rank"
     )
     assert "ddp_buckets" in [f.code for f in compute_findings(replay(_snap(trace, memtrace=header)))]
-    for ignored in (499, 0, -5, True, "2000", None):  # under 5% of the peak, or not a byte count (untrusted header)
+    for ignored in (499, 0, -5, True, "2000", None, 10**400, 1 << 63):  # under 5% of the peak, or not a byte count (untrusted header)
         assert ddp_buckets_finding(replay(_snap(trace, memtrace={**header, "ddp_bucket_bytes": ignored}))) == []
     assert ddp_buckets_finding(replay(_snap(trace, ddp_bucket_bytes=2000))) == []  # not MemTrace's header
