@@ -1,10 +1,10 @@
 """A 2-process DDP run (gloo, CPU) with MemTrace, launched by tests/test_ddp.py as a script.
 
-Usage: python tests/ddp_run.py OUT_DIR [normal|oom|estimate|bucket_view|oom_wide|gpu_estimate]
+Usage: python tests/ddp_run.py OUT_DIR [normal|oom|estimate|bucket_view|unused|oom_wide|gpu_estimate]
 In "oom" mode rank 1 asks for 10**15 bytes in its second training step. "estimate": a wider MLP (DDP's buckets of
 1.1 MiB) with ``MemTrace(estimate=True)`` and its end-of-fit what-if; "bucket_view": the same with
-``gradient_as_bucket_view=True`` (no what-if); "oom_wide": "oom" with the wider MLP; "gpu_estimate": "estimate" as
-one DDP rank on one CUDA device (nccl).
+``gradient_as_bucket_view=True`` (no what-if); "unused": the same with ``find_unused_parameters=True``; "oom_wide":
+"oom" with the wider MLP; "gpu_estimate": "estimate" as one DDP rank on one CUDA device (nccl).
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ def main() -> None:
     mode = sys.argv[2] if len(sys.argv) > 2 else "normal"
     warnings.filterwarnings("ignore")
     gpu = mode == "gpu_estimate"
-    wide = mode in ("estimate", "bucket_view", "oom_wide", "gpu_estimate")
-    estimate = mode in ("estimate", "bucket_view", "gpu_estimate")
+    wide = mode in ("estimate", "bucket_view", "unused", "oom_wide", "gpu_estimate")
+    estimate = mode in ("estimate", "bucket_view", "unused", "gpu_estimate")
     callback = MemTrace(
         gather_every_n_steps=1, estimate=estimate, what_if_budget_s=60 if mode == "estimate" else 0, report=not estimate
     )
@@ -59,6 +59,7 @@ def main() -> None:
             process_group_backend="nccl" if gpu else "gloo",
             timeout=timedelta(seconds=60 if gpu else 20),
             gradient_as_bucket_view=mode == "bucket_view",
+            find_unused_parameters=mode == "unused",
         ),
         max_steps=3,
         logger=CSVLogger(str(out), name="logs"),

@@ -117,6 +117,21 @@ def test_ddp_estimate_holds_the_buckets_and_the_what_if_removes_them(tmp_path):
     assert abs(row["peak_bytes"] - int(compared["peak"]["measured_bytes"])) <= 1e-4 * row["peak_bytes"]
 
 
+def test_ddp_buckets_kept_from_before_memtrace_started_are_counted_on_cpu(tmp_path):
+    """With ``find_unused_parameters=True`` DDP keeps the buckets it made when it wrapped the model, before MemTrace
+    started: a CPU tracker sees no allocation of them, and counts them from its first row as one block of "other"."""
+    result = _run(tmp_path, "unused")
+    assert result.returncode == 0, result.stderr[-3000:]
+    folder = tmp_path / "logs" / "version_0" / "memtrace"
+    phases = load_phases(folder)
+    assert (phases[phases["rank"] == 0].other_bytes >= WIDE_BUCKET_BYTES).all()  # from step 0's first row
+    compared = _comparison(folder)
+    assert abs(int(compared["other"]["error_bytes"])) <= 64
+    assert abs(float(compared["peak"]["error_percent"])) < 0.01
+    at_peak = replay(load_snapshot(folder / "snapshot_rank0_steps1-2.pickle")).peak.by_category
+    assert at_peak["other"] >= WIDE_BUCKET_BYTES  # the block in the snapshot, recorded as "other"
+
+
 def test_ddp_out_of_memory_names_the_buckets_and_bucket_views(tmp_path):
     result = _run(tmp_path, "oom_wide")
     assert result.returncode != 0

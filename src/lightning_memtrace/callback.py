@@ -366,7 +366,8 @@ class MemTrace(Callback):
             run_id=self.run_id,
         )
         self.recorder.expect_last_step(last_step_of_fit(trainer))
-        self.recorder.note_ddp_buckets(extras.ddp_bucket_bytes(trainer))
+        buckets = extras.ddp_bucket_bytes(trainer)
+        self.recorder.note_ddp_buckets(buckets, unseen=extras.ddp_keeps_first_buckets(trainer))
         self.recorder.start()
         if self.recorder.tracker is not None:
             self.tracker_backend = self.recorder.tracker.backend

@@ -7,7 +7,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_memtrace.capture.ddp_buckets import bucket_bytes, bucket_tensors, has_gradient_buckets
+from lightning_memtrace.capture.ddp_buckets import (
+    bucket_bytes,
+    bucket_tensors,
+    has_gradient_buckets,
+    keeps_first_buckets,
+)
 
 
 def _mixed_model() -> nn.Module:
@@ -34,6 +39,10 @@ def _ddp_bucket_sizes(tmp_path, **options) -> list[int]:
         wrapped = DistributedDataParallel(_mixed_model(), **options)
         sizes = [int(size) for size in str(wrapped._get_ddp_logging_data()["bucket_sizes"]).split(",")]
         assert has_gradient_buckets(wrapped) is not options.get("gradient_as_bucket_view", False)
+        # DDP makes its buckets again before the second forward unless it looks for unused parameters (no static graph)
+        assert keeps_first_buckets(wrapped) is (
+            options.get("find_unused_parameters", False) and not options.get("static_graph", False)
+        )
         return sizes
     finally:
         dist.destroy_process_group()
@@ -47,6 +56,7 @@ def test_bucket_bytes_are_ddps_own(tmp_path):
     assert sum(_ddp_bucket_sizes(tmp_path)) == MIXED_BUCKET_BYTES
     assert sum(_ddp_bucket_sizes(tmp_path, find_unused_parameters=True)) == MIXED_BUCKET_BYTES
     assert sum(_ddp_bucket_sizes(tmp_path, gradient_as_bucket_view=True)) == MIXED_BUCKET_BYTES
+    assert sum(_ddp_bucket_sizes(tmp_path, find_unused_parameters=True, static_graph=True)) == MIXED_BUCKET_BYTES
 
 
 def test_bucket_tensors_hold_the_bucket_bytes_in_each_dtype():

@@ -149,6 +149,17 @@ class AllocationState:
     def max_allocated(self) -> int:
         return max(self._max_allocated, self.peak)
 
+    def hold_unseen(self, nbytes: int, frames: list[Frame] | None, category: str) -> LiveAllocation:
+        """Count ``nbytes`` that exist already and that no storage leads to (DDP's first gradient buckets, inside its
+        C++ reducer), as one block of ``category`` at an address of its own, live until the tracker is dropped."""
+        self._fake_addr += 512 + (nbytes + 511) // 512 * 512
+        entry = LiveAllocation(nbytes, self._fake_addr, time.time_ns() // 1000, frames, "", "outside")
+        entry.category = category
+        self.blocks[entry.addr] = entry
+        self.allocated += nbytes
+        self.peak = max(self.peak, self.allocated)
+        return entry
+
     def entries(self) -> list[LiveAllocation]:
         return [*self.live.values(), *self.blocks.values()]
 

@@ -71,6 +71,20 @@ def bucket_tensors(model: nn.Module, device: torch.device) -> list[Tensor]:
     ]
 
 
+def keeps_first_buckets(wrapped: object) -> bool:
+    """Whether DDP keeps the buckets it made when it wrapped the model for the whole run: it makes them again (in
+    the order gradients become ready) before its second forward, unless it looks for unused parameters without a
+    static graph. A CPU tracker started after the wrapping never sees buckets it keeps."""
+    return bool(getattr(wrapped, "find_unused_parameters", False)) and not getattr(wrapped, "static_graph", False)
+
+
+def maker_frames() -> list[dict[str, object]]:
+    """The stack frame that made DDP's first buckets (its constructor), for a block that stands for them."""
+    import torch.nn.parallel.distributed as distributed
+
+    return [{"filename": distributed.__file__, "line": 0, "name": "__init__"}]
+
+
 def has_gradient_buckets(wrapped: object) -> bool:
     """Whether ``wrapped`` (a strategy's model) is a ``DistributedDataParallel`` whose buckets are a second copy of the
     gradients (``gradient_as_bucket_view=False``)."""

@@ -41,7 +41,7 @@ from torch import nn
 
 from lightning_memtrace.analysis.growth import records_growth
 from lightning_memtrace.analysis.postmortem import PostMortem
-from lightning_memtrace.capture import cuda_history
+from lightning_memtrace.capture import cuda_history, ddp_buckets
 from lightning_memtrace.capture.categories import CategoryCounter, SavedTensorsRecorder, normalize_device
 from lightning_memtrace.capture.config import RecorderConfig, choose_backend
 from lightning_memtrace.capture.counters import MemoryCounters, TrackerCounters, allocator_counters
@@ -54,7 +54,7 @@ from lightning_memtrace.capture.storages import attribute_tensors
 from lightning_memtrace.capture.tracker import AllocationTracker, RowMark
 from lightning_memtrace.capture.window import HistoryWindow
 from lightning_memtrace.schema import format_tag
-from lightning_memtrace.types import STAGE_AFTER_PHASE, Phase, PhaseRecord, Stage
+from lightning_memtrace.types import STAGE_AFTER_PHASE, Category, Phase, PhaseRecord, Stage
 
 #: Deferred rows (see :meth:`MemoryRecorder.flush`) are read at the end of the batch where this many are waiting or
 #: this many seconds have passed since the last read (and whenever the rows are wanted: logging, gathering, the end).
@@ -155,6 +155,7 @@ class MemoryRecorder:
         self.saved = parts.saved or SavedTensorsRecorder(self.device)
 
         self.step = self.epoch = self.batch_idx = self.dataloader_idx = 0
+        self._unseen_ddp_bucket_bytes = 0
         #: The training batch between :meth:`begin_batch` and :meth:`end_batch` (a reference, for the post-mortem's
         #: what-if), else None.
         self.batch: Any = None
@@ -220,10 +221,12 @@ class MemoryRecorder:
         (``history_skip_steps``) gets the window over its last ``history_steps`` steps instead of no snapshot."""
         self.window.run_last_step = None if step is None else int(step)
 
-    def note_ddp_buckets(self, nbytes: int) -> None:
+    def note_ddp_buckets(self, nbytes: int, unseen: bool = False) -> None:
         """DDP's gradient buckets beside the gradients hold ``nbytes`` (counted as ``other``): the snapshots' header
-        and an out-of-memory post-mortem name them, and what turns them off."""
+        and an out-of-memory post-mortem name them, and what turns them off. ``unseen``: DDP keeps the buckets it made
+        before the recorder started, which a tracker (CPU) cannot see made: it counts them from the start."""
         self.oom.ddp_bucket_bytes = self.window.ddp_bucket_bytes = int(nbytes)
+        self._unseen_ddp_bucket_bytes = int(nbytes) if unseen else 0
 
     def start(self) -> MemoryRecorder:
         if self.started:
@@ -242,6 +245,8 @@ class MemoryRecorder:
         for optimizer in self.categories.optimizers:
             self._hook_optimizer(optimizer)
         self._adopt_module_state()
+        if self.tracker is not None and self._unseen_ddp_bucket_bytes:
+            self.tracker.hold_unseen(self._unseen_ddp_bucket_bytes, ddp_buckets.maker_frames(), Category.OTHER.value)
         if self.config.post_mortem and self.device.type == "cuda":
             cuda_history.add_cuda_oom_listener(self.oom)
         self.rows.classify()

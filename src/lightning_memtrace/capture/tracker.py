@@ -214,6 +214,12 @@ class AllocationTracker:
             new = self._state.track_storage(tensor.untyped_storage(), adopted=True) or new
         return new
 
+    def hold_unseen(self, nbytes: int, frames: list[Frame] | None, category: str) -> None:
+        """Count ``nbytes`` that exist already and that no storage leads to, as one block of ``category`` (see
+        :meth:`~lightning_memtrace.capture.allocation_state.AllocationState.hold_unseen`)."""
+        self.sync()
+        self._state.hold_unseen(int(nbytes), frames, category)
+
     def label(self, storages: dict[int, tuple[str, torch.UntypedStorage]]) -> None:
         """Count the storages not counted yet (as :meth:`adopt`) and tag every one with its category.
 

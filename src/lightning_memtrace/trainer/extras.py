@@ -12,7 +12,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_memtrace.atomic import atomic_write_text
-from lightning_memtrace.capture.ddp_buckets import bucket_bytes, has_gradient_buckets
+from lightning_memtrace.capture.ddp_buckets import bucket_bytes, has_gradient_buckets, keeps_first_buckets
 from lightning_memtrace.capture.oom import say_what_if_runs
 from lightning_memtrace.files import PHASES_GLOB, phases_filename, what_if_filename
 from lightning_memtrace.units import MIB
@@ -57,6 +57,11 @@ def ddp_bucket_bytes(trainer: pl.Trainer) -> int:
     if not has_ddp_buckets(trainer):
         return 0
     return bucket_bytes(trainer.strategy.model.module)
+
+
+def ddp_keeps_first_buckets(trainer: pl.Trainer) -> bool:
+    """Whether the Trainer's DDP keeps, for the whole run, the gradient buckets it made before MemTrace started."""
+    return has_ddp_buckets(trainer) and keeps_first_buckets(trainer.strategy.model)
 
 
 def compare_with_run(estimate: Any, folder: Path | None, rank: int) -> Any:
