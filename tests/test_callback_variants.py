@@ -432,3 +432,24 @@ def test_a_fit_shorter_than_the_history_window_still_writes_a_snapshot(tmp_path,
     kwargs = {"max_steps": -1, **trainer_kwargs}
     trainer(tmp_path, [callback], **kwargs).fit(MLP())
     assert sorted(p.name for p in (tmp_path / "mt").glob("snapshot_*.pickle")) == [snapshot]
+
+
+@pytest.mark.parametrize("allocation_backend", ["auto", "dispatch"])
+def test_tensors_other_callbacks_made_before_the_fit_are_counted(tmp_path, allocation_backend):
+    """Lightning's ``WeightAveraging`` makes its averaged copy of the model in ``setup``, before MemTrace starts: a CUDA
+    allocator counts it, so the CPU tracker counts it too, as ``other``, from the first row."""
+    from itertools import chain
+
+    from lightning.pytorch.callbacks import WeightAveraging
+
+    averaging = WeightAveraging()
+    callback = MemTrace(report=False, allocation_backend=allocation_backend)
+    module = MLP(width=512)
+    trainer(tmp_path, [averaging, callback], max_steps=3).fit(module)
+    average = averaging._average_model
+    held = unique_storage_bytes(chain(average.parameters(), average.buffers()))
+    assert held == 4 * (32 * 512 + 512 + 512 * 512 + 512 + 512 + 1) + 8  # the MLP's copy, and n_averaged (int64)
+    phases = load_phases(callback.output_dir)
+    assert (phases.other_bytes >= held).all()
+    assert int(phases.other_bytes.iloc[0]) - held < 64  # the first row: the copy and nothing else of note
+    assert (phases.parameters_bytes == 4 * (32 * 512 + 512 + 512 * 512 + 512 + 512 + 1)).all()  # the model's own only

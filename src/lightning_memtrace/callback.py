@@ -369,6 +369,7 @@ class MemTrace(Callback):
         buckets = extras.ddp_bucket_bytes(trainer)
         self.recorder.note_ddp_buckets(buckets, unseen=extras.ddp_keeps_first_buckets(trainer))
         self.recorder.start()
+        self.recorder.adopt_held_by([callback for callback in trainer.callbacks if callback is not self])
         if self.recorder.tracker is not None:
             self.tracker_backend = self.recorder.tracker.backend
 

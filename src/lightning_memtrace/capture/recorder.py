@@ -50,7 +50,7 @@ from lightning_memtrace.capture.oom_errors import is_out_of_memory
 from lightning_memtrace.capture.outputs import RecorderFiles
 from lightning_memtrace.capture.reports_backend import unavailable_reason
 from lightning_memtrace.capture.rows import RowPlace, RowReader
-from lightning_memtrace.capture.storages import attribute_tensors
+from lightning_memtrace.capture.storages import attribute_tensors, held_tensors
 from lightning_memtrace.capture.tracker import AllocationTracker, RowMark
 from lightning_memtrace.capture.window import HistoryWindow
 from lightning_memtrace.schema import format_tag
@@ -220,6 +220,16 @@ class MemoryRecorder:
         """The last step the run will reach (None: unknown). A run that ends before the history window would open
         (``history_skip_steps``) gets the window over its last ``history_steps`` steps instead of no snapshot."""
         self.window.run_last_step = None if step is None else int(step)
+
+    def adopt_held_by(self, holders: Sequence[object]) -> None:
+        """Count the tensors other objects (the Trainer's other callbacks) keep, made before the recorder started: an
+        averaged copy of the model, a callback's own state. A device's allocator counts them (CUDA); a tracker sees
+        only what is made after it started, so it counts them here (as ``other`` unless a row names them)."""
+        if self.tracker is None or not self.started:
+            return
+        for holder in holders:
+            for tensor in held_tensors(holder):
+                self.tracker.adopt(tensor)
 
     def note_ddp_buckets(self, nbytes: int, unseen: bool = False) -> None:
         """DDP's gradient buckets beside the gradients hold ``nbytes`` (counted as ``other``): the snapshots' header

@@ -115,6 +115,30 @@ def attribute_tensors(module: torch.nn.Module) -> Iterator[Tensor]:
                 yield from walk(value, 0)
 
 
+def held_tensors(holder: object) -> Iterator[Tensor]:
+    """Tensors an object (another callback) keeps in its attributes: plain tensors, also in dicts, lists and plain
+    tuples (three deep), and every parameter, buffer and attribute tensor of a module it keeps (an averaged copy of
+    the model). Objects of other kinds are not entered."""
+
+    def walk(value: Any, depth: int) -> Iterator[Tensor]:
+        if isinstance(value, Tensor):
+            if value.layout == torch.strided:
+                yield value
+        elif isinstance(value, torch.nn.Module):
+            yield from value.parameters()
+            yield from value.buffers()
+            yield from attribute_tensors(value)
+        elif depth < 3 and (isinstance(value, list) or type(value) is tuple):
+            for item in value:
+                yield from walk(item, depth + 1)
+        elif depth < 3 and isinstance(value, dict):
+            for item in value.values():
+                yield from walk(item, depth + 1)
+
+    for value in list(getattr(holder, "__dict__", {}).values()):
+        yield from walk(value, 0)
+
+
 def is_module_state(name: str) -> bool:
     """Whether a module attribute of this name may hold the module's own tensors (see :func:`attribute_tensors`)."""
     return name not in _NOT_STATE
