@@ -10,7 +10,7 @@ import pandas as pd
 
 from lightning_memtrace.analysis.growth import growth
 from lightning_memtrace.analysis.model import Replay
-from lightning_memtrace.capture.ddp_buckets import BUCKET_VIEW_STRATEGY
+from lightning_memtrace.capture.ddp_buckets import bucket_view_saving
 from lightning_memtrace.schema import header_ddp_bucket_bytes, header_is_cpu, header_steps
 from lightning_memtrace.types import ROW_CATEGORIES, STAGES, Stage, TextEnum, category_label
 from lightning_memtrace.units import format_bytes, percent
@@ -280,8 +280,7 @@ def ddp_buckets_finding(replay: Replay) -> list[Finding]:
     message = (
         f"DDP's gradient buckets hold {format_bytes(held)} ({held:,} B, {percent(held, peak):.0f}% of the peak), "
         "counted in other: with gradient_as_bucket_view=False (DDP's default) they are a second copy of the "
-        f"gradients; Trainer(strategy={BUCKET_VIEW_STRATEGY}) makes the gradients views of the buckets and saves "
-        f"{format_bytes(held)} on every rank"
+        f"gradients; {bucket_view_saving(held)}"
     )
     return [Finding("ddp_buckets", message, Severity.WARNING, {"ddp_bucket_bytes": held, "peak_bytes": peak})]
 

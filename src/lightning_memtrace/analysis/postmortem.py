@@ -8,7 +8,7 @@ from typing import Any
 from lightning_memtrace.analysis.growth import Growth
 from lightning_memtrace.analysis.frames import format_frame, user_frame
 from lightning_memtrace.analysis.view import post_mortem_view
-from lightning_memtrace.capture.ddp_buckets import BUCKET_VIEW_STRATEGY
+from lightning_memtrace.capture.ddp_buckets import bucket_view_saving
 from lightning_memtrace.types import Category, Frame, Stage
 from lightning_memtrace.units import format_bytes, format_bytes_exact
 
@@ -127,8 +127,7 @@ def advice(pm: PostMortem) -> list[str]:
     if pm.ddp_bucket_bytes >= ADVICE_MIN_SHARE * total:
         tips.append(
             f"DDP keeps its gradient buckets ({format_bytes(pm.ddp_bucket_bytes)}, counted in other) beside the "
-            f"gradients, a second copy of them: Trainer(strategy={BUCKET_VIEW_STRATEGY}) makes the gradients views of "
-            f"the buckets and saves {format_bytes(pm.ddp_bucket_bytes)} on every rank."
+            f"gradients, a second copy of them: {bucket_view_saving(pm.ddp_bucket_bytes)}."
         )
     if pm.reserved_bytes > pm.allocated_bytes * 1.3 and pm.reserved_bytes > 0:
         tips.append(

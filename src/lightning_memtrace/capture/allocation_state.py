@@ -152,13 +152,18 @@ class AllocationState:
     def hold_unseen(self, nbytes: int, frames: list[Frame] | None, category: str) -> LiveAllocation:
         """Count ``nbytes`` that exist already and that no storage leads to (DDP's first gradient buckets, inside its
         C++ reducer), as one block of ``category`` at an address of its own, live until the tracker is dropped."""
-        self._fake_addr += 512 + (nbytes + 511) // 512 * 512
-        entry = LiveAllocation(nbytes, self._fake_addr, time.time_ns() // 1000, frames, "", "outside")
+        entry = LiveAllocation(nbytes, self._address_of_its_own(nbytes), time.time_ns() // 1000, frames, "", "outside")
         entry.category = category
         self.blocks[entry.addr] = entry
         self.allocated += nbytes
         self.peak = max(self.peak, self.allocated)
         return entry
+
+    def _address_of_its_own(self, nbytes: int) -> int:
+        """A distinct address for memory that has none to tell (meta, fake, or reached by no storage), past the last
+        one handed out and clear of real ones."""
+        self._fake_addr += 512 + (nbytes + 511) // 512 * 512
+        return self._fake_addr
 
     def entries(self) -> list[LiveAllocation]:
         return [*self.live.values(), *self.blocks.values()]
@@ -178,8 +183,7 @@ class AllocationState:
         addr = 0 if device.type == "meta" else storage.data_ptr()
         if addr == 0:
             # Meta and fake storages have no address: give each a distinct one so snapshots stay well formed.
-            self._fake_addr += 512 + (nbytes + 511) // 512 * 512
-            addr = self._fake_addr
+            addr = self._address_of_its_own(nbytes)
         if addr in self.live_addrs or addr in self.blocks:
             # Memory already counted: a second storage object over it (from_blob, shared numpy memory), or a block
             # the allocator reported.

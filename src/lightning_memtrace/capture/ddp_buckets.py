@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from lightning_memtrace.units import format_bytes
+
 if TYPE_CHECKING:  # torch is imported where a function needs it: the analysis side reads the remedy's text alone
     import torch
     from torch import Tensor, nn
@@ -24,6 +26,15 @@ BUCKET_VIEW_STRATEGY = "DDPStrategy(gradient_as_bucket_view=True)"
 #: DDP's default limits on a bucket's bytes: the first bucket, then every other one (``bucket_cap_mb=25``).
 FIRST_BUCKET_BYTES = 1024**2
 BUCKET_BYTES = 25 * 1024**2
+
+
+def bucket_view_saving(nbytes: int) -> str:
+    """What the bucket views do, in the words every place that advises them uses: the Trainer argument and its saving
+    of ``nbytes`` (the buckets' bytes)."""
+    return (
+        f"Trainer(strategy={BUCKET_VIEW_STRATEGY}) makes the gradients views of the buckets and saves "
+        f"{format_bytes(nbytes)} on every rank"
+    )
 
 
 def _bucketed(parameters: Iterable[Tensor]) -> list[list[Tensor]]:

@@ -93,50 +93,41 @@ def memory_tensors(tensors: Iterable[Tensor]) -> Iterator[Tensor]:
 _NOT_STATE = frozenset({"_parameters", "_buffers", "_modules", "_trainer", "_fabric"})
 
 
+def _contained_tensors(value: Any, depth: int, whole_modules: bool) -> Iterator[Tensor]:
+    """The strided tensors in ``value``: itself, or in its dicts, lists and plain tuples (three deep). With
+    ``whole_modules``, a parameter counts like any tensor and a module gives all its tensors; without, parameters are
+    left out (they are found apart) and modules are not entered."""
+    if isinstance(value, Tensor):
+        if (whole_modules or not isinstance(value, torch.nn.Parameter)) and value.layout == torch.strided:
+            yield value
+    elif whole_modules and isinstance(value, torch.nn.Module):
+        yield from value.parameters()
+        yield from value.buffers()
+        yield from attribute_tensors(value)
+    elif depth < 3 and (isinstance(value, list) or type(value) is tuple):
+        for item in value:
+            yield from _contained_tensors(item, depth + 1, whole_modules)
+    elif depth < 3 and isinstance(value, dict):
+        for item in value.values():
+            yield from _contained_tensors(item, depth + 1, whole_modules)
+
+
 def attribute_tensors(module: torch.nn.Module) -> Iterator[Tensor]:
     """Tensors the module's submodules keep as plain attributes, also in dicts, lists and plain tuples (three deep):
     torchmetrics' metric states and their defaults, a mask cached as ``self.mask = ...`` rather than a buffer.
     Parameters are left out. (Tuple subclasses are not entered: the estimate's in-place copy could not rebuild them.)"""
-
-    def walk(value: Any, depth: int) -> Iterator[Tensor]:
-        if isinstance(value, Tensor):
-            if not isinstance(value, torch.nn.Parameter) and value.layout == torch.strided:
-                yield value
-        elif depth < 3 and (isinstance(value, list) or type(value) is tuple):
-            for item in value:
-                yield from walk(item, depth + 1)
-        elif depth < 3 and isinstance(value, dict):
-            for item in value.values():
-                yield from walk(item, depth + 1)
-
     for sub in module.modules():
         for name, value in sub.__dict__.items():
             if name not in _NOT_STATE:
-                yield from walk(value, 0)
+                yield from _contained_tensors(value, 0, whole_modules=False)
 
 
 def held_tensors(holder: object) -> Iterator[Tensor]:
     """Tensors an object (another callback) keeps in its attributes: plain tensors, also in dicts, lists and plain
     tuples (three deep), and every parameter, buffer and attribute tensor of a module it keeps (an averaged copy of
     the model). Objects of other kinds are not entered."""
-
-    def walk(value: Any, depth: int) -> Iterator[Tensor]:
-        if isinstance(value, Tensor):
-            if value.layout == torch.strided:
-                yield value
-        elif isinstance(value, torch.nn.Module):
-            yield from value.parameters()
-            yield from value.buffers()
-            yield from attribute_tensors(value)
-        elif depth < 3 and (isinstance(value, list) or type(value) is tuple):
-            for item in value:
-                yield from walk(item, depth + 1)
-        elif depth < 3 and isinstance(value, dict):
-            for item in value.values():
-                yield from walk(item, depth + 1)
-
     for value in list(getattr(holder, "__dict__", {}).values()):
-        yield from walk(value, 0)
+        yield from _contained_tensors(value, 0, whole_modules=True)
 
 
 def is_module_state(name: str) -> bool:
