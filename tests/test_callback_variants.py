@@ -453,3 +453,33 @@ def test_tensors_other_callbacks_made_before_the_fit_are_counted(tmp_path, alloc
     assert (phases.other_bytes >= held).all()
     assert int(phases.other_bytes.iloc[0]) - held < 64  # the first row: the copy and nothing else of note
     assert (phases.parameters_bytes == 4 * (32 * 512 + 512 + 512 * 512 + 512 + 512 + 1)).all()  # the model's own only
+
+
+@pytest.mark.parametrize("max_steps", [1, 2])
+def test_the_window_closes_after_the_last_step_not_after_the_validation_that_follows(tmp_path, max_steps):
+    """A window planned past the run's last step (two steps, a fit of one or two) was left open to the end of the fit:
+    the validation after the last step ran with every allocation's stack recorded (3.5x the validation time of a
+    1,000-batch validation) and ended up in the snapshot."""
+    import pickle
+
+    from lightning.pytorch import Callback
+
+    class WindowDuringValidation(Callback):
+        def __init__(self, memtrace: MemTrace) -> None:
+            self.memtrace, self.open = memtrace, []
+
+        def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+            self.open.append(self.memtrace.recorder.window.is_open)
+
+    callback = MemTrace(dirpath=tmp_path / "mt", report=False)
+    during = WindowDuringValidation(callback)
+    trainer(tmp_path, [callback, during], max_steps=max_steps, limit_val_batches=3, val_check_interval=max_steps).fit(
+        MLP()
+    )
+    assert len(during.open) == 2 and not any(during.open)  # MLP's validation set: two batches
+    last = max_steps - 1
+    path = tmp_path / "mt" / f"snapshot_rank0_steps{last}-{last}.pickle"
+    with open(path, "rb") as handle:
+        header = pickle.load(handle)["memtrace"]
+    phases = [(mark["step"], mark["phase"]) for mark in header["phases"]]
+    assert phases[0] == (last, "batch_start") and ("val_batch_start" not in {phase for _, phase in phases})

@@ -157,7 +157,11 @@ class HistoryWindow:
             self._done = True
             self.warn("history", f"could not start recording memory history: {error!r}")
             return
-        self._open = (step, first + config.history_steps - 1, now_us)
+        last = first + config.history_steps - 1
+        if self.run_last_step is not None and step <= self.run_last_step:
+            # Closed after the run's last step, not at the end of the fit: validation after it is not in the window.
+            last = min(last, self.run_last_step)
+        self._open = (step, last, now_us)
 
     def _start_recording(self) -> bool:
         if self.device.type == "cuda" and self.tracker is None:
