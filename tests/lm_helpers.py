@@ -232,3 +232,28 @@ class SparseEmbedding(pl.LightningModule):
         generator = torch.Generator().manual_seed(0)
         ids = torch.randint(0, self.rows, (4 * self.batch, self.tokens), generator=generator)
         return torch.utils.data.DataLoader(ids, batch_size=self.batch)
+
+
+class PositionLoop(pl.LightningModule):
+    """A loop over a hidden state's positions (an RNN cell's, Mamba's slow path): the gradient of every position's
+    slice is summed into the hidden state's, which autograd does in place."""
+
+    def __init__(self, batch: int = 8, positions: int = 32, width: int = 256) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(64, width)
+        self.batch, self.positions = batch, positions
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        hidden = self.proj(x)
+        loss = hidden.new_zeros(())
+        for position in range(hidden.shape[1]):
+            loss = loss + hidden[:, position].pow(2).sum()
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self):
+        data = torch.utils.data.TensorDataset(torch.randn(4 * self.batch, self.positions, 64))
+        return torch.utils.data.DataLoader(data, batch_size=self.batch)

@@ -73,6 +73,22 @@ def test_cuda_target_assumes_a_fused_kernel():
     assert eager.attention == "eager"
 
 
+def test_cuda_target_with_checkpointing_recomputes_attention_on_the_same_kernel():
+    """``Tensor.backward`` is a torch function: the SDPA stand-in's mode ran the backward with itself popped, so the
+    layers a checkpoint recomputed there ran on CPU's math kernel (dropout), and the checkpoint refused their saved
+    tensors (a CheckpointError: every GPT-2 estimate for CUDA with checkpointing failed)."""
+    gpt2 = ARCHITECTURES["gpt2"]
+    with_dropout = estimate_from_config(gpt2, 2, 64, device="cuda", gradient_checkpointing=True)
+    without = estimate_from_config(dict(gpt2, attn_pdrop=0.0), 2, 64, device="cuda", gradient_checkpointing=True)
+    # CUDA's fused kernels draw attention dropout inside the kernel: nothing more is kept, in forward or recompute
+    figures = [[r.step, r.phase, r.peak_bytes, r.allocated_bytes, r.activations_bytes] for r in with_dropout.records]
+    assert figures == [[r.step, r.phase, r.peak_bytes, r.allocated_bytes, r.activations_bytes] for r in without.records]
+    plain = estimate_from_config(gpt2, 2, 64, device="cuda")
+    assert with_dropout.category_bytes("after_forward")["activations"] < plain.category_bytes("after_forward")[
+        "activations"
+    ]
+
+
 def test_flash_attention_without_the_package_is_one_clear_error():
     pytest.importorskip("transformers")
     try:

@@ -15,10 +15,17 @@ from estimate_checks import (
     check_against_real,
     real_run,
 )
-from lm_helpers import MLP, TinyLM, TwoOptimizers, trainer
+from lm_helpers import MLP, PositionLoop, TinyLM, TwoOptimizers, trainer
 
 from lightning_memtrace import MemTrace, load_phases
-from lightning_memtrace.estimator import Estimate, InputSpec, estimate, estimate_for_module
+from lightning_memtrace.estimator import (
+    Estimate,
+    InputSpec,
+    compare_phase_peaks,
+    estimate,
+    estimate_for_module,
+    estimate_from_config,
+)
 from lightning_memtrace.capture.tracker import AllocationTracker
 
 
@@ -178,3 +185,47 @@ def test_manual_optimization_is_refused_before_any_work(monkeypatch):
     monkeypatch.setattr("lightning_memtrace.estimator.run.fake_copy", lambda *a, **k: pytest.fail("copied"))
     with pytest.raises(ValueError, match="^manual optimization is not supported by the estimate"):
         estimate_for_module(module, (torch.randn(8, 16),))
+
+
+
+@pytest.mark.parametrize("allocation_backend", ["dispatch", "reports"])
+def test_gradients_summed_in_place_are_estimated_as_the_run_sums_them(tmp_path, allocation_backend):
+    """Under the estimate's modes autograd summed every pair of gradients into a new buffer: the estimate of this
+    loop was 40 % high at its peak (one more 256 KiB hidden state), and so was a run under the dispatch tracker."""
+    module = PositionLoop()
+    phases = real_run(tmp_path, module, max_steps=2, allocation_backend=allocation_backend)
+    est = estimate_for_module(module, next(iter(module.train_dataloader())), steps=2)
+    peaks = check_against_real(est, phases)
+    backward = peaks[peaks.phase == "after_backward"]
+    assert (backward.peak_bytes_estimated == backward.peak_bytes_measured).all()
+    assert est.peak_bytes == phases.peak_bytes.max()
+
+
+def test_a_first_micro_batch_with_tied_weights_is_estimated_as_it_runs(tmp_path, one_layer):
+    """Accumulating in bf16-mixed with checkpointing, the first micro-batch after zero_grad sums the tied embedding's
+    two gradients (output layer and embedding) in the buffer autograd makes for them; the estimate made that sum out
+    of place, 9 % high at the peak of the micro-batch (19,202,316 B against 17,603,796 B measured)."""
+    from estimate_checks import ONE_LAYER
+
+    from lightning_memtrace.models import build_causal_lm
+
+    class OneLayerSdpa(TinyLM):
+        def __init__(self) -> None:
+            super().__init__(batch_size=2, seq_len=64)
+            self.model = build_causal_lm(ONE_LAYER)
+            self.model.set_attn_implementation("sdpa")  # as estimate_from_config builds it
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-3, momentum=0.9)
+
+    kwargs = dict(precision="bf16-mixed", accumulate_grad_batches=2)
+    phases = real_run(tmp_path, OneLayerSdpa(), max_steps=2, allocation_backend="reports", **kwargs)
+    est = estimate_from_config(
+        ONE_LAYER, 2, 64, device="cpu", optimizer="sgd", gradient_checkpointing=True, model=one_layer, **kwargs
+    )
+    peaks = compare_phase_peaks(est, phases)
+    backward = peaks[peaks.phase == "after_backward"]
+    assert len(backward) == 4
+    # the reports also count the temporaries inside operators (5,064 B here): within 0.05 %
+    assert (backward.error_percent.abs() < 0.05).all(), backward

@@ -17,6 +17,7 @@ from torch import Tensor
 from lightning_memtrace.capture import fork_guard, torch_private
 from lightning_memtrace.capture.allocation_state import AllocationState
 from lightning_memtrace.capture.frames import capture_frames
+from lightning_memtrace.capture.grad_sums import SUM, SUM_IN_PLACE, GradSums
 from lightning_memtrace.capture.oom_errors import is_out_of_memory
 from lightning_memtrace.capture.storages import PLAIN_TENSORS, layout_parts, memory_tensors, wrapped_tensors
 from lightning_memtrace.types import Frame
@@ -31,6 +32,10 @@ def _dispatch(mode: _TrackerMode, func: Any, types: Any, args: tuple = (), kwarg
     # output) is kept to a few attribute reads: the plan is cached by the operator's id (OpOverload's own __hash__ is
     # Python code) and the operator is called through its C++ overload, without OpOverload.__call__'s extra frame.
     backend = mode.backend
+    if func is SUM:
+        sums = backend.grad_sums
+        if sums is not None and sums.returned and sums.in_place(args, kwargs):
+            return SUM_IN_PLACE(*args)  # as autograd sums without the mode: no new storage
     plan = backend._plans.get(id(func))
     if plan is None:
         plan = backend._plan(func)
@@ -108,6 +113,8 @@ class DispatchBackend:
         #: The first error counting an operator's outputs raised (counting stops there; see :meth:`counting_failed`).
         self.failure: Exception | None = None
         self._resizes_seen: contextlib.ExitStack | None = None
+        #: Autograd's sums of two gradients made in place under the mode, as without it (see :mod:`grad_sums`).
+        self.grad_sums: GradSums | None = None
 
     def note_frames_into(self, pending: dict[int, list[list[Frame]]]) -> None:
         """Count nothing from now on: note the Python stack of each new output in ``pending``, by address, oldest
@@ -124,6 +131,8 @@ class DispatchBackend:
 
     def start(self) -> None:
         if self._mode is None:
+            if self.grad_sums is None:
+                self.grad_sums = GradSums.probe()  # before the mode is entered: the probe is not counted
             self._mode = _TrackerMode(self)
             self._mode.__enter__()
             # FSDP2 frees and re-allocates its gathered parameters by resizing their storages, which no operator does.
@@ -132,6 +141,7 @@ class DispatchBackend:
             fork_guard.guard(self)
 
     def stop(self) -> None:
+        self.backward_done()
         fork_guard.unguard(self)
         mode, self._mode = self._mode, None
         resizes_seen, self._resizes_seen = self._resizes_seen, None
@@ -148,6 +158,15 @@ class DispatchBackend:
             resizes_seen.close()
         if mode is not None:
             torch_private.drop_dispatch_mode(mode)
+
+    def watch_backward(self, loss: Tensor) -> None:
+        """Before ``loss.backward()`` under the mode: the engine's sums of two gradients made as without it."""
+        if self._mode is not None and self.grad_sums is not None:
+            self.grad_sums.attach(loss)
+
+    def backward_done(self) -> None:
+        if self.grad_sums is not None:
+            self.grad_sums.detach()
 
     def _refresh_resized(self, tensor: Tensor) -> None:
         if self._mode is not None:

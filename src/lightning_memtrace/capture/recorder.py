@@ -366,17 +366,22 @@ class MemoryRecorder:
         self._record(Phase.AFTER_FORWARD)
 
     def watch_backward(self, loss: Any) -> None:
-        """Tag the backward of ``loss`` from its first node on, where autograd runs it (for CUDA tensors a thread of
-        its own, which the training thread's tag does not reach) while the history window records."""
+        """Before ``loss.backward()``: tag its backward from its first node on, where autograd runs it (for CUDA
+        tensors a thread of its own, which the training thread's tag does not reach) while the history window records;
+        where the tracker's dispatch mode runs, have autograd sum gradients in place as it would without the mode."""
         grad_fn = getattr(loss, "grad_fn", None)
         if grad_fn is not None and self.window.is_open and self.device.type == "cuda":
             grad_fn.register_prehook(cuda_history.carry_allocation_tag)
+        if grad_fn is not None and self.tracker is not None:
+            self.tracker.watch_backward(loss)
 
     def mark_backward_done(self) -> None:
         """Take the ``after_backward`` row."""
         if not self._in_batch:
             return
         self.mark_forward_done()
+        if self.tracker is not None:
+            self.tracker.backward_done()
         self._record(Phase.AFTER_BACKWARD)
 
     def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -401,6 +406,8 @@ class MemoryRecorder:
         if not self._in_batch:
             return
         self.saved.pop()
+        if self.tracker is not None:
+            self.tracker.backward_done()  # where the backward failed and the batch still ends (an error caught)
         self._record(Phase.BATCH_END if self.training else Phase.VAL_BATCH_END)
         self._in_batch = False
         if self.training:

@@ -292,6 +292,15 @@ class AllocationTracker:
                 pass
 
     # ----------------------------------------------------------------------------------------------- export
+    def watch_backward(self, loss: Tensor) -> None:
+        """Before ``loss.backward()``: where the dispatch mode runs, autograd's sums of two gradients are made in place
+        as without it (:mod:`~lightning_memtrace.capture.grad_sums`)."""
+        self._dispatch.watch_backward(loss)
+
+    def backward_done(self) -> None:
+        """After the backward (or at the batch's end where it failed)."""
+        self._dispatch.backward_done()
+
     def record_history(self, enabled: bool) -> None:
         """Open (or close) a history window: every allocation gets a stack and the ring holds ``max_entries``.
 

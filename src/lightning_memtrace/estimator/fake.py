@@ -42,6 +42,19 @@ def value_dependent_errors() -> tuple[type[Exception], ...]:
     return (DataDependentOutputException, DynamicOutputShapeException)
 
 
+def backward_in_function_modes(loss: Tensor) -> None:
+    """``loss.backward()`` with the estimate's torch function modes (SDPA's stand-in kernel, LayerDrop's answer)
+    active inside it: ``Tensor.backward`` is a torch function, which a mode handles with itself popped, so a layer a
+    checkpoint recomputes in backward ran without them (on a CUDA target, GPT-2's recomputed attention ran on CPU's
+    math kernel, and the checkpoint refused its saved tensors). Autograd's engine is called as ``backward`` calls it."""
+    run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)
+    if run_backward is None or loss.numel() != 1 or not loss.requires_grad:
+        loss.backward()  # the public path (and its errors)
+        return
+    grad = torch.ones_like(loss, memory_format=torch.preserve_format)
+    run_backward((loss,), (grad,), False, False, (), allow_unreachable=True, accumulate_grad=True)
+
+
 @contextlib.contextmanager
 def meta_failures_unlogged() -> Iterator[None]:
     """Within, on this thread: a failing meta kernel raises without torch first logging its traceback.

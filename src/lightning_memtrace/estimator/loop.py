@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from lightning_memtrace.capture.recorder import MemoryRecorder
 from lightning_memtrace.capture.ddp_buckets import bucket_tensors
-from lightning_memtrace.estimator.fake import fake_batch
+from lightning_memtrace.estimator.fake import backward_in_function_modes, fake_batch
 from lightning_memtrace.estimator.inputs import Precision
 from lightning_memtrace.estimator.meta_recorder import meta_recorder
 from lightning_memtrace.types import PhaseRecord
@@ -222,7 +222,8 @@ class LightningLoop:
             if self.scale is None:
                 self.scale = torch.full((), 65536.0, dtype=torch.float32, device=self.device)
             to_backward = closure_loss * self.scale
-        to_backward.backward()
+        recorder.watch_backward(to_backward)
+        backward_in_function_modes(to_backward)
         del to_backward, closure_loss
         recorder.mark_backward_done()  # on_after_backward
         return result["loss"]
