@@ -229,3 +229,21 @@ def test_a_first_micro_batch_with_tied_weights_is_estimated_as_it_runs(tmp_path,
     assert len(backward) == 4
     # the reports also count the temporaries inside operators (5,064 B here): within 0.05 %
     assert (backward.error_percent.abs() < 0.05).all(), backward
+
+
+ROUTE = torch.arange(16) % 4  # a real tensor the step reads from the module's globals, not from the module
+
+
+def test_a_real_tensor_from_outside_the_module_is_one_line_naming_its_place():
+    """FakeTensorMode's own assertion ("Please convert all Tensors to FakeTensors first...") reached the user."""
+    model = torch.nn.Linear(8, 8)
+
+    def step(m, batch):
+        return m(batch)[ROUTE].sum()  # the line named
+
+    with pytest.raises(ValueError) as raised:
+        estimate(model, InputSpec((16, 8)), training_step=step)
+    message = str(raised.value)
+    assert message.startswith("the training step gives aten.index.Tensor a real tensor that is neither the module's")
+    assert f"{__file__}:{step.__code__.co_firstlineno + 1} in step" in message and "\n" not in message
+    assert "register_buffer" in message

@@ -239,6 +239,10 @@ def _estimate(
                 raise
             except value_dependent_errors() as error:
                 raise ValueError(_needs_values(error, model)) from None
+            except AssertionError as error:
+                if _REAL_TENSOR_REFUSED not in str(error):
+                    raise
+                raise ValueError(_real_tensor_used(error)) from None
     if emulate_cuda:
         records = _without_host_steps(records, optimizer)
     batch_size, seq_len = batch_dims(batch)
@@ -318,6 +322,24 @@ def _needs_values(error: Exception, model: nn.Module) -> str:
             "(experts_implementation='grouped_mm', its default), which the estimate runs"
         )
     return text
+
+
+#: How FakeTensorMode refuses a real tensor as an operator's input.
+_REAL_TENSOR_REFUSED = "Please convert all Tensors to FakeTensors first"
+
+
+def _real_tensor_used(error: AssertionError) -> str:
+    """One line for a step that used a real tensor the estimate did not copy (a global's, a closure's): the op, the
+    line, what to do."""
+    found = str(error).partition("Found in ")[2]
+    op = found.partition("(")[0] or "an operator"
+    place = format_frame(asking_frame(traceback_frames(error, depth=128, own_frames=True)))
+    return (
+        f"the training step gives {op} a real tensor that is neither the module's nor the batch's (a global's or a "
+        f"closure's, at {place}): the estimate copies the module's parameters, buffers and tensor attributes and the "
+        "batch onto fake tensors, nothing else; register it as a buffer (self.register_buffer) or an attribute of the "
+        "module, or make it inside the step"
+    )
 
 
 def _has_experts(model: nn.Module) -> bool:
