@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_memtrace import MemTrace, load_phases
-from lightning_memtrace.capture.grad_sums import GradSums, dense
+from lightning_memtrace.capture.grad_sums import GradSums, dense, graph_nodes, summing_nodes
 from lightning_memtrace.capture.tracker import AllocationTracker
 from lm_helpers import PositionLoop, trainer
 
@@ -137,3 +137,25 @@ def test_the_cpu_history_window_leaves_the_runs_memory_as_it_is_outside(tmp_path
     assert list(backward.index) == [0, 1, 2, 3]
     assert backward[1] == backward[2] == backward[3]
     assert (tmp_path / "mt" / "snapshot_rank0_steps1-2.pickle").exists()
+
+
+def test_only_gradients_bound_for_a_sum_are_noted_and_each_once():
+    """An id noted of a gradient the engine then drops could be a new tensor's later: only the outputs handed to an
+    input another node feeds too are noted, and each is dropped once an add has taken it."""
+    leaf = torch.ones(4, requires_grad=True)
+    other = torch.ones(4, requires_grad=True)
+    doubled = leaf * 2
+    loss = (doubled * other).sin().sum() + doubled.cos().sum()
+    summing, consumers = summing_nodes(graph_nodes(loss))
+    # mul(doubled, other)'s backward feeds doubled's slot (summed with cos's) and other's (alone): position 0 only
+    assert sorted((type(node).__name__, positions) for node, positions in summing) == [
+        ("CosBackward0", (0,)),
+        ("MulBackward0", (0,)),
+    ]
+    assert {type(node).__name__ for node in consumers} == {"MulBackward0", "AccumulateGrad"}
+    sums = GradSums.probe()
+    a, b = torch.zeros(4), torch.ones(4)
+    sums.returned = {id(b)}
+    with torch.no_grad():
+        sums.in_place((a, b), None)
+    assert sums.returned == set()

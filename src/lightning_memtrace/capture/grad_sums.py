@@ -18,6 +18,7 @@ measured on a probe graph of the same kind of tensor (:meth:`GradSums.probe`).
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections import Counter
 from typing import Any
@@ -64,16 +65,17 @@ def graph_nodes(root: Tensor) -> list[Any]:
     return nodes
 
 
-def summing_nodes(nodes: list[Any]) -> tuple[list[Any], set[Any]]:
+def summing_nodes(nodes: list[Any]) -> tuple[list[tuple[Any, tuple[int, ...]]], set[Any]]:
     """Of ``nodes``, those that hand a gradient to an input another node hands one to as well (where the engine sums),
-    and the nodes they hand gradients to."""
-    edges = [(node, [edge for edge in node.next_functions if edge[0] is not None]) for node in nodes]
-    incoming = Counter(edge for _, targets in edges for edge in targets)
+    each with the positions of those gradients among its outputs, and the nodes they hand gradients to."""
+    edges = [(node, node.next_functions) for node in nodes]
+    incoming = Counter(edge for _, targets in edges for edge in targets if edge[0] is not None)
     summing, consumers = [], set()
     for node, targets in edges:
-        if any(incoming[edge] > 1 for edge in targets):
-            summing.append(node)
-            consumers.update(target for target, _ in targets)
+        positions = tuple(i for i, edge in enumerate(targets) if edge[0] is not None and incoming[edge] > 1)
+        if positions:
+            summing.append((node, positions))
+            consumers.update(target for target, _ in targets if target is not None)
     return summing, consumers
 
 
@@ -89,8 +91,9 @@ class GradSums:
     def __init__(self, tensor_type: type, last_reference: tuple[int, int, int]) -> None:
         self.tensor_type = tensor_type
         self.last_reference = last_reference
-        #: ids of the gradients the node that ran last returned (empty once the next node starts).
-        self.returned: frozenset[int] = frozenset()
+        #: ids of the gradients bound for a sum that the node that ran last returned (each dropped when summed, all
+        #: once a node they are handed to starts).
+        self.returned: set[int] = set()
         self._handles: list[Any] = []
         self.probed: list[tuple[int, int, int]] = []  # the probe's counts
 
@@ -122,8 +125,8 @@ class GradSums:
             summing, consumers = summing_nodes(graph_nodes(loss))
             # Hooks only where the engine sums (a Python hook per node costs about as much as the node's own work): what
             # a summing node returned is noted, and forgotten when one of the nodes it hands gradients to starts.
-            for node in summing:
-                self._handles.append(node.register_hook(self._node_returned))
+            for node, positions in summing:
+                self._handles.append(node.register_hook(functools.partial(self._node_returned, positions)))
             for node in consumers:
                 self._handles.append(node.register_prehook(self._node_starts))
         except Exception:
@@ -134,19 +137,22 @@ class GradSums:
         handles, self._handles = self._handles, []
         for handle in handles:
             handle.remove()
-        self.returned = frozenset()
+        self.returned = set()
 
-    def _node_returned(self, grad_inputs: tuple, grad_outputs: tuple) -> None:
-        self.returned = frozenset(id(grad) for grad in grad_inputs if grad is not None)
+    def _node_returned(self, positions: tuple[int, ...], grad_inputs: tuple, grad_outputs: tuple) -> None:
+        # Only the gradients bound for a sum, each taken once: an id noted of a gradient that is then dropped could
+        # be a new tensor's later.
+        self.returned = {id(grad_inputs[i]) for i in positions if i < len(grad_inputs) and grad_inputs[i] is not None}
 
     def _node_starts(self, grad_outputs: tuple) -> None:
-        self.returned = frozenset()
+        self.returned = set()
 
     # -------------------------------------------------------------------------------------------- in the mode
     def in_place(self, args: tuple, kwargs: dict | None) -> bool:
         """Whether ``add(*args, **kwargs)`` is a sum the engine makes in place without a mode."""
         if kwargs or len(args) != 2 or id(args[1]) not in self.returned or torch.is_grad_enabled():
             return False
+        self.returned.discard(id(args[1]))
         old, new = args
         tensor_type = self.tensor_type
         if type(old) is not tensor_type or type(new) is not tensor_type:
