@@ -19,7 +19,6 @@ measured on a probe graph of the same kind of tensor (:meth:`GradSums.probe`).
 from __future__ import annotations
 
 import functools
-import sys
 from collections import Counter
 from typing import Any
 
@@ -34,12 +33,6 @@ SUM_IN_PLACE = torch.ops.aten.add_.Tensor
 
 # (tensor type) -> the reference counts of a buffer the engine alone holds, seen from the top mode; None: unknown
 _LAST_REFERENCE: dict[type, tuple[int, int, int] | None] = {}
-
-
-def reference_counts(tensor: Tensor) -> tuple[int, int, int]:
-    """The tensor's and its storage's C++ reference counts, and its Python object's (a Python object holds one C++
-    reference however many hold it: the user's list keeping a gradient shows only here)."""
-    return tensor._use_count(), torch._C._storage_Use_Count(tensor.untyped_storage()._cdata), sys.getrefcount(tensor)
 
 
 def dense(tensor: Tensor) -> bool:
@@ -85,17 +78,17 @@ class GradSums:
     Args:
         tensor_type: The type of tensor the run's gradients are (``torch.Tensor``; the estimate's ``FakeTensor``).
         last_reference: The reference counts of a buffer the engine alone holds, seen from the mode (see
-            :meth:`probe`).
+            :meth:`probe`); None while the probe measures them (into :attr:`probed`, every sum left as it is).
     """
 
-    def __init__(self, tensor_type: type, last_reference: tuple[int, int, int]) -> None:
+    def __init__(self, tensor_type: type, last_reference: tuple[int, int, int] | None) -> None:
         self.tensor_type = tensor_type
         self.last_reference = last_reference
         #: ids of the gradients bound for a sum that the node that ran last returned (each dropped when summed, all
         #: once a node they are handed to starts).
         self.returned: set[int] = set()
         self._handles: list[Any] = []
-        self.probed: list[tuple[int, int, int]] = []  # the probe's counts
+        self.probed: list[tuple[int, int, int] | None] = []  # the probe's counts
 
     @classmethod
     def probe(cls) -> GradSums | None:
@@ -106,11 +99,11 @@ class GradSums:
         try:
             with torch.inference_mode(False), torch.enable_grad():  # wherever the tracker starts
                 leaf = torch.empty(8, device="meta", requires_grad=True)
+                tensor_type = type(leaf)
+                if tensor_type not in _LAST_REFERENCE:
+                    _LAST_REFERENCE[tensor_type] = _probe_counts(leaf)
         except Exception:
             return None
-        tensor_type = type(leaf)
-        if tensor_type not in _LAST_REFERENCE:
-            _LAST_REFERENCE[tensor_type] = _probe_counts(leaf)
         counts = _LAST_REFERENCE[tensor_type]
         return None if counts is None else cls(tensor_type, counts)
 
@@ -161,11 +154,11 @@ class GradSums:
             return False
         if not dense(old):
             return False
-        counts = reference_counts(old)
-        if not self.last_reference:  # the probe's
+        counts = torch_private.reference_counts(old)
+        if self.last_reference is None:
             self.probed.append(counts)
             return False
-        return counts == self.last_reference
+        return counts is not None and counts == self.last_reference
 
 
 class _ProbeMode(torch_private.TorchDispatchMode):
@@ -180,14 +173,13 @@ class _ProbeMode(torch_private.TorchDispatchMode):
 
 
 def _probe_counts(leaf: Tensor) -> tuple[int, int, int] | None:
-    sums = GradSums(type(leaf), ())  # type: ignore[arg-type]
+    sums = GradSums(type(leaf), None)
     try:
-        with torch.inference_mode(False), torch.enable_grad():
-            used_twice = leaf * 2
-            loss = used_twice.sin().sum() + used_twice.cos().sum()
-            sums.attach(loss)
-            with _ProbeMode(sums):
-                loss.backward()
+        used_twice = leaf * 2
+        loss = used_twice.sin().sum() + used_twice.cos().sum()
+        sums.attach(loss)
+        with _ProbeMode(sums):
+            loss.backward()
     except Exception:  # an engine or hooks unlike this module's reading of them: sums stay as the mode makes them
         return None
     finally:

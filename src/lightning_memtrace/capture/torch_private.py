@@ -12,6 +12,7 @@ import ctypes
 import functools
 import inspect
 import os
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -320,6 +321,18 @@ def native_logging() -> NativeLogging | None:
 
 
 # ----------------------------------------------------------------------------------------------- CUDA allocator
+def reference_counts(tensor: Any) -> tuple[int, int, int] | None:
+    """The tensor's C++ reference count, its storage's, and its Python object's (a Python object holds one C++
+    reference however many hold it: a user's list keeping the tensor shows only in the third); None where this torch
+    cannot tell the first two."""
+    python_count = sys.getrefcount(tensor)
+    use_count = getattr(torch.Tensor, "_use_count", None)
+    storage_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None or storage_count is None:
+        return None
+    return use_count(tensor), storage_count(tensor.untyped_storage()._cdata), python_count
+
+
 def cuda_history_supported() -> bool:
     memory = getattr(torch.cuda, "memory", None)
     return (
