@@ -159,3 +159,15 @@ def test_only_gradients_bound_for_a_sum_are_noted_and_each_once():
     with torch.no_grad():
         sums.in_place((a, b), None)
     assert sums.returned == set()
+
+
+def test_a_failure_telling_a_sum_leaves_the_backward_as_the_mode_makes_it(monkeypatch):
+    """The check runs inside the user's backward: where it fails, the sum is made out of place, never an error."""
+    expected_peak, expected_grad = _loop_backward(AllocationTracker("cpu", backend="dispatch"), watch=False)
+
+    def unreadable(tensor):
+        raise RuntimeError("no reference counts here")
+
+    monkeypatch.setattr("lightning_memtrace.capture.torch_private.reference_counts", unreadable)
+    peak, grad = _loop_backward(AllocationTracker("cpu", backend="dispatch"), watch=True)
+    assert peak == expected_peak and torch.equal(grad, expected_grad)

@@ -146,7 +146,12 @@ class GradSums:
         if kwargs or len(args) != 2 or id(args[1]) not in self.returned or torch.is_grad_enabled():
             return False
         self.returned.discard(id(args[1]))
-        old, new = args
+        try:
+            return self._would_sum_in_place(*args)
+        except Exception:  # inside the user's backward: a tensor this cannot read is summed as the mode makes it
+            return False
+
+    def _would_sum_in_place(self, old: Any, new: Any) -> bool:
         tensor_type = self.tensor_type
         if type(old) is not tensor_type or type(new) is not tensor_type:
             return False
