@@ -9,7 +9,8 @@ import pandas as pd
 import pytest
 
 from lightning.pytorch.loggers import CSVLogger
-from lightning_memtrace import MemTrace, what_if
+from lightning_memtrace import MemTrace, load_phases, what_if
+from lightning_memtrace.estimator import compare_estimate
 from lightning_memtrace.capture.storages import unique_storage_bytes
 from lightning_memtrace.estimator.budget import device_memory_bytes
 from lm_helpers import MLP, TwoOptimizers, trainer
@@ -38,6 +39,29 @@ def test_estimate_logged_and_compared_with_the_run(tmp_path):
     # MiB in the logger's CSV: exact to the byte once rounded (pandas before 2.0 reads floats with a faster parser that
     # may miss the last bit).
     assert round(metrics["memtrace/estimate/parameters"].dropna().iloc[0] * 1024**2) == pbytes
+
+
+def test_the_comparison_reads_this_fits_rows_where_an_earlier_fit_wrote_into_the_same_folder(tmp_path):
+    # Without a logger both fits write into <root>/memtrace: the phases CSV holds the first fit's rows, then the
+    # second's. The second fit's comparison is with its own rows, not the most of both (the wider first model's).
+    trainer(tmp_path, [MemTrace(estimate=True, what_if_budget_s=0, report=False)]).fit(MLP(width=256))
+    callback = MemTrace(estimate=True, what_if_budget_s=0, report=False)
+    module = MLP(width=64)
+    trainer(tmp_path, [callback]).fit(module)
+    phases = load_phases(callback.output_dir)
+    assert phases["run"].nunique() == 2
+    own = phases[phases["run"] == callback.run_id]
+    rows = pd.read_csv(callback.output_dir / "estimate_vs_measured_rank0.csv").set_index("category")
+    pbytes = unique_storage_bytes(module.parameters())
+    assert rows.loc["parameters", "measured_bytes"] == pbytes
+    assert rows.loc["peak", "measured_bytes"] == own["peak_bytes"].max() < phases["peak_bytes"].max()
+    assert abs(rows.loc["peak", "error_percent"]) <= 3.0
+    # Called without a run, the comparison takes the table's newest run.
+    table = compare_estimate(callback.estimated, phases).set_index("category")
+    assert table.loc["peak", "measured_bytes"] == own["peak_bytes"].max()
+    (first,) = set(phases["run"]) - {callback.run_id}
+    table = compare_estimate(callback.estimated, phases, run=first).set_index("category")
+    assert table.loc["peak", "measured_bytes"] == phases["peak_bytes"].max()
 
 
 def test_estimate_writes_what_would_fit(tmp_path, caplog):

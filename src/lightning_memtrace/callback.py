@@ -514,7 +514,7 @@ class MemTrace(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._finish()
         with shown_once_kept():
-            self.estimate_comparison = extras.compare_with_run(self.estimated, self.output_dir, self._rank)
+            self.estimate_comparison = extras.compare_with_run(self.estimated, self.output_dir, self._rank, self.run_id)
             if self.estimated and self._first_batch is not None:
                 budget = self.config.what_if_budget_s
                 self.what_if_path = extras.write_what_if(

@@ -16,9 +16,18 @@ from lightning_memtrace.units import format_bytes
 COMPARISON_FILENAME = "estimate_vs_measured_rank{rank}.csv"
 
 
-def _training_rows(phases: Any) -> Any:
-    """The rows of training phases (validation rows left out)."""
-    return phases[phases["phase"].astype(str).isin([p.value for p in TRAIN_PHASES])]
+def _training_rows(phases: Any, run: str | None = None) -> Any:
+    """The rows of training phases (validation rows left out) of one run: ``run``, or where the table holds several
+    (fits into one folder append to its CSV), the newest (the one whose first row is latest)."""
+    rows = phases[phases["phase"].astype(str).isin([p.value for p in TRAIN_PHASES])]
+    if "run" not in rows.columns or rows.empty:
+        return rows
+    runs = rows["run"].astype(str)
+    if run is None:
+        if runs.nunique() <= 1:
+            return rows
+        run = str(rows.groupby(runs)["time_s"].min().idxmax())
+    return rows[runs == str(run)]
 
 
 def _compared(est: Any, measured: Any, name: str, column: str, phase: Phase | str | None) -> dict[str, Any]:
@@ -43,7 +52,9 @@ def _compared(est: Any, measured: Any, name: str, column: str, phase: Phase | st
     }
 
 
-def compare_estimate(estimate: Estimate, phases: Any, phase: Phase | str | None = None) -> Any:
+def compare_estimate(
+    estimate: Estimate, phases: Any, phase: Phase | str | None = None, run: str | None = None
+) -> Any:
     """Estimate beside measurement, per category (and for the peak), with the error in percent.
 
     Args:
@@ -51,6 +62,8 @@ def compare_estimate(estimate: Estimate, phases: Any, phase: Phase | str | None 
         phases: The run's phases table (``load_phases(...)`` or the recorder's rows as a DataFrame); validation rows
             are ignored.
         phase: Compare at this phase only; default: for each category, the phase where the estimate holds most of it.
+        run: Compare with the rows of this run id (the ``run`` column); default: the table's newest run (a folder
+            that several fits wrote into holds all their rows).
 
     Returns:
         A DataFrame with columns ``category``, ``phase``, ``estimated_bytes``, ``measured_bytes`` (the most of that
@@ -60,7 +73,7 @@ def compare_estimate(estimate: Estimate, phases: Any, phase: Phase | str | None 
     """
     import pandas as pd
 
-    measured = _training_rows(phases)
+    measured = _training_rows(phases, run)
     est = estimate.to_dataframe()
     columns = [(c.value, f"{c.value}_bytes") for c in Category] + [("peak", "peak_bytes")]
     frame = pd.DataFrame([_compared(est, measured, name, column, phase) for name, column in columns])
@@ -69,16 +82,17 @@ def compare_estimate(estimate: Estimate, phases: Any, phase: Phase | str | None 
     return frame
 
 
-def compare_phase_peaks(estimate: Estimate, phases: Any) -> Any:
+def compare_phase_peaks(estimate: Estimate, phases: Any, run: str | None = None) -> Any:
     """Per (step, batch_idx, phase) of the estimate, its ``peak_bytes`` beside the run's and the error in percent.
 
-    Rows are matched on ``step``, ``batch_idx`` and ``phase`` (estimate the same number of steps as compared).
+    Rows are matched on ``step``, ``batch_idx`` and ``phase`` (estimate the same number of steps as compared), in
+    the rows of ``run`` (default: the table's newest run, as :func:`compare_estimate`).
     """
     import pandas as pd
 
     keys = ["step", "batch_idx", "phase"]
     est = estimate.to_dataframe()[[*keys, "peak_bytes"]]
-    measured = _training_rows(phases)
+    measured = _training_rows(phases, run)
     measured = measured.assign(phase=measured["phase"].astype(str))[[*keys, "peak_bytes"]]
     merged = pd.merge(est, measured, on=keys, suffixes=("_estimated", "_measured"))
     merged["error_percent"] = (

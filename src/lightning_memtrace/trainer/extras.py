@@ -64,8 +64,9 @@ def ddp_keeps_first_buckets(trainer: pl.Trainer) -> bool:
     return has_ddp_buckets(trainer) and keeps_first_buckets(trainer.strategy.model)
 
 
-def compare_with_run(estimate: Any, folder: Path | None, rank: int) -> Any:
-    """Write ``estimate_vs_measured_rank<R>.csv`` next to the rank's phases CSV; returns the comparison (or None)."""
+def compare_with_run(estimate: Any, folder: Path | None, rank: int, run: str | None) -> Any:
+    """Write ``estimate_vs_measured_rank<R>.csv`` next to the rank's phases CSV, compared with the rows of ``run`` (the
+    CSV also holds the rows of earlier fits into the same folder); returns the comparison (or None)."""
     csv = folder / phases_filename(rank) if folder is not None else None
     if not estimate or csv is None or not csv.is_file():
         return None
@@ -73,7 +74,7 @@ def compare_with_run(estimate: Any, folder: Path | None, rank: int) -> Any:
     from lightning_memtrace.estimator import compare_estimate, comparison_path, write_comparison_csv
 
     try:
-        comparison = compare_estimate(estimate, load_phases(csv))
+        comparison = compare_estimate(estimate, load_phases(csv), run=run)
         write_comparison_csv(comparison, comparison_path(folder, rank))
     except Exception as error:
         rank_zero_warn(f"MemTrace could not compare the estimate with the run: {error}")
