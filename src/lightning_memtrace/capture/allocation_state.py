@@ -141,6 +141,12 @@ class AllocationState:
         if self.capture_all_frames:
             self.annotations.append((time.time_ns() // 1000, stage, name or ""))
 
+    def pass_through(self, nbytes: int) -> None:
+        """``nbytes`` taken and given back inside one operator (an estimated kernel's scratch): only the peak sees
+        them."""
+        if self.allocated + nbytes > self.peak:
+            self.peak = self.allocated + nbytes
+
     def reset_peak(self) -> None:
         self._max_allocated = max(self._max_allocated, self.peak)
         self.peak = self.allocated

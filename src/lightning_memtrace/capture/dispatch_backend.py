@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from torch import Tensor
 
@@ -21,6 +21,15 @@ from lightning_memtrace.capture.grad_sums import SUM, SUM_IN_PLACE, GradSums
 from lightning_memtrace.capture.oom_errors import is_out_of_memory
 from lightning_memtrace.capture.storages import PLAIN_TENSORS, layout_parts, memory_tensors, wrapped_tensors
 from lightning_memtrace.types import Frame
+
+class KernelScratchRule(Protocol):
+    """Bytes a kernel holds inside an operator beyond its outputs, which the mode cannot see (set by the estimate,
+    whose fake tensors have no kernels: :mod:`lightning_memtrace.estimator.kernel_scratch`)."""
+
+    def covers(self, func: Any) -> bool: ...
+
+    def extra_bytes(self, func: Any, args: tuple, kwargs: dict | None) -> int: ...
+
 
 _RESIZING_OPS = frozenset({"resize_", "resize_as_", "set_", "resize_storage_bytes_"})
 #: How to call an operator, which of its outputs are new storages, and whether it resizes one of its arguments.
@@ -115,6 +124,8 @@ class DispatchBackend:
         self._resizes_seen: contextlib.ExitStack | None = None
         #: Autograd's sums of two gradients made in place under the mode, as without it (see :mod:`grad_sums`).
         self.grad_sums: GradSums | None = None
+        #: Scratch of the kernels it covers, counted at the peak after the operator's outputs (set before start).
+        self.kernel_scratch: KernelScratchRule | None = None
 
     def note_frames_into(self, pending: dict[int, list[list[Frame]]]) -> None:
         """Count nothing from now on: note the Python stack of each new output in ``pending``, by address, oldest
@@ -195,14 +206,30 @@ class DispatchBackend:
             self._plans[id(func)] = plan
             self._planned_ops.append(func)
             return plan
+        call = torch_private.operator_call(func)
+        if self.kernel_scratch is not None and self.kernel_scratch.covers(func):
+            call = self._with_scratch(call, func, self.kernel_scratch)
         plan = (
-            torch_private.operator_call(func),
+            call,
             torch_private.unaliased_outputs(func),
             torch_private.operator_name(func) in _RESIZING_OPS,
         )
         self._plans[id(func)] = plan
         self._planned_ops.append(func)
         return plan
+
+    def _with_scratch(self, call: Callable[..., Any], func: Any, rule: KernelScratchRule) -> Callable[..., Any]:
+        """``call``, then its outputs counted and the kernel's scratch passed through the peak above them."""
+
+        def with_scratch(*args: Any, **kwargs: Any) -> Any:
+            out = call(*args, **kwargs)
+            nbytes = rule.extra_bytes(func, args, kwargs)
+            if nbytes > 0:
+                self._seen(out)
+                self.state.pass_through(nbytes)
+            return out
+
+        return with_scratch
 
     def _range_call(self, call: Callable[..., Any], stage: str) -> Callable[..., Any]:
         """``call`` that also notes the start (with the range's name, its first argument) or end of a range."""

@@ -28,7 +28,7 @@ from lightning_memtrace.capture.allocation_state import (
     OutOfMemoryEvent,
     RowMark,
 )
-from lightning_memtrace.capture.dispatch_backend import DispatchBackend
+from lightning_memtrace.capture.dispatch_backend import DispatchBackend, KernelScratchRule
 from lightning_memtrace.capture.frames import capture_frames, traceback_frames
 from lightning_memtrace.capture.oom_errors import requested_bytes_from_message
 from lightning_memtrace.capture.reports_backend import ReportsBackend, ReportsUnavailable, track_every_cpu_block
@@ -300,6 +300,11 @@ class AllocationTracker:
     def backward_done(self) -> None:
         """After the backward (or at the batch's end where it failed)."""
         self._dispatch.backward_done()
+
+    def count_kernel_scratch(self, rule: KernelScratchRule) -> None:
+        """Under backend "dispatch", count at the peak the scratch ``rule`` gives for the operators it covers (memory
+        their kernels take and free inside them); set before :meth:`start`."""
+        self._dispatch.kernel_scratch = rule
 
     def record_history(self, enabled: bool) -> None:
         """Open (or close) a history window: every allocation gets a stack and the ring holds ``max_entries``.

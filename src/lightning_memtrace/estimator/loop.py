@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_memtrace.capture.dispatch_backend import KernelScratchRule
 from lightning_memtrace.capture.recorder import MemoryRecorder
 from lightning_memtrace.capture.ddp_buckets import bucket_tensors
 from lightning_memtrace.estimator.fake import backward_in_function_modes, fake_batch
@@ -110,11 +111,13 @@ def run_steps(
     training_step: Callable[[nn.Module, Any], Any] | None,
     prefetch: bool,
     ddp_buckets: bool = False,
+    kernel_scratch: KernelScratchRule | None = None,
 ) -> list[PhaseRecord]:
     """Lightning's automatic optimization loop, step for step, with MemTrace's recorder taking the rows
     (``ddp_buckets``: with DDP's gradient buckets alive throughout, see
-    :mod:`~lightning_memtrace.capture.ddp_buckets`)."""
-    recorder = meta_recorder(model, optimizer, device)
+    :mod:`~lightning_memtrace.capture.ddp_buckets`; ``kernel_scratch``: the CPU kernels' scratch, see
+    :mod:`~lightning_memtrace.estimator.kernel_scratch`)."""
+    recorder = meta_recorder(model, optimizer, device, kernel_scratch)
     loop = LightningLoop(model, optimizer, recorder, device, precision, accumulate, lightning, training_step)
     float_dtype = precision.param_dtype
 

@@ -8,18 +8,27 @@ from torch import nn
 from lightning_memtrace.capture.categories import CategoryCounter
 from lightning_memtrace.capture.config import RecorderConfig
 from lightning_memtrace.capture.recorder import MemoryRecorder, RecorderParts
+from lightning_memtrace.capture.dispatch_backend import KernelScratchRule
 from lightning_memtrace.capture.tracker import AllocationTracker
 
 
-def meta_recorder(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> MemoryRecorder:
+def meta_recorder(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+    kernel_scratch: KernelScratchRule | None = None,
+) -> MemoryRecorder:
     """MemTrace's recorder counting fake tensors on ``device``.
 
     Fake tensors' storages live on the meta device: the tracker counts there, without stacks (no history is written),
     and no real allocator is touched (on CUDA, allocator counters would reset the real device's peak statistics
-    under a running training).
+    under a running training). ``kernel_scratch``: the scratch of the kernels it covers, counted at the peak.
     """
+    tracker = AllocationTracker("meta", max_entries=1, frames_min_bytes=1 << 62)
+    if kernel_scratch is not None:
+        tracker.count_kernel_scratch(kernel_scratch)
     parts = RecorderParts(
-        tracker=AllocationTracker("meta", max_entries=1, frames_min_bytes=1 << 62),
+        tracker=tracker,
         categories=CategoryCounter(device, model, [optimizer]),
     )
     config = RecorderConfig(track_allocations=True, history=False, post_mortem=False)

@@ -43,6 +43,9 @@ class Estimate:
             check as for finite values. Empty where the step read none.
         ddp_bucket_bytes: Bytes of DDP's gradient buckets the estimate holds alive throughout (``other`` in the rows;
             0 where the run is not DDP's or its gradients are views of the buckets).
+        scratch_unmeasured: Operators whose CPU kernel's scratch (a convolution's im2col or reorder buffers, see
+            :mod:`~lightning_memtrace.estimator.kernel_scratch`) could not be measured, each with why
+            (``"convolution.default: ..."``): the peak may be higher by their scratch. Empty where every one was.
     """
 
     records: tuple[PhaseRecord, ...]
@@ -63,6 +66,7 @@ class Estimate:
     values_read: tuple[str, ...] = ()
     sparse_gradients: bool = False
     ddp_bucket_bytes: int = 0
+    scratch_unmeasured: tuple[str, ...] = ()
 
     def __repr__(self) -> str:
         """One line, as :meth:`describe` with the peak (the rows are in ``records``, the table in :meth:`table`)."""
@@ -137,6 +141,7 @@ class Estimate:
             "values_read": list(self.values_read),
             "sparse_gradients": self.sparse_gradients,
             "ddp_bucket_bytes": self.ddp_bucket_bytes,
+            "scratch_unmeasured": list(self.scratch_unmeasured),
             "peak_bytes": self.peak_bytes,
             "phase_peaks": {p.value: v for p, v in self.phase_peaks().items()},
             "categories": {c.value: v for c, v in self.category_bytes().items()},
@@ -197,6 +202,10 @@ class Estimate:
             )
         if self.values_read:
             parts.append(f"tensor values read answered as for finite values (at {'; '.join(self.values_read)})")
+        if self.scratch_unmeasured:
+            parts.append(
+                f"the scratch of CPU kernels left out, the peak may be higher ({'; '.join(self.scratch_unmeasured)})"
+            )
         return ", ".join(parts)
 
 

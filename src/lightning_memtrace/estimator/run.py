@@ -37,6 +37,7 @@ from lightning_memtrace.estimator.fake import (
     value_dependent_errors,
 )
 from lightning_memtrace.estimator.inputs import Precision, batch_dims
+from lightning_memtrace.estimator.kernel_scratch import KernelScratch
 from lightning_memtrace.capture.ddp_buckets import bucket_bytes
 from lightning_memtrace.estimator.grouped_mm import grouped_mm_in_every_dtype
 from lightning_memtrace.estimator.layer_drop import no_layer_dropped
@@ -213,6 +214,7 @@ def _estimate(
         blocks = shard_like_the_run(model, mesh) if mesh is not None else 0
         optimizer = _build_optimizer(model, module, mode, target, optimizer_factory, lightning)
         prefetch = prefetch and not emulate_cuda and fake_device.type == "cpu"
+        scratch = KernelScratch() if target.type == "cpu" else None
         with (
             sdpa_watched(cuda_stand_in=emulate_cuda) as kernels,
             answered_as_the_batch(batch),
@@ -234,6 +236,7 @@ def _estimate(
                     training_step,
                     prefetch,
                     ddp_buckets,
+                    scratch,
                 )
             except FiniteCheckNeeded:
                 raise
@@ -267,6 +270,7 @@ def _estimate(
         values_read=tuple(values_read.places),
         sparse_gradients=_has_sparse_gradients(model),
         ddp_bucket_bytes=bucket_bytes(model) if ddp_buckets else 0,
+        scratch_unmeasured=tuple(scratch.unmeasured) if scratch is not None else (),
     )
 
 

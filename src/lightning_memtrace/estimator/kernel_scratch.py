@@ -1,0 +1,214 @@
+"""Memory a CPU kernel takes inside an operator and frees before it returns, which no fake tensor shows.
+
+A fake tensor has the sizes of an operator's outputs; what the kernel allocates for itself while it runs is not among
+them. For most operators that is nothing. CPU convolutions are the exception: torch's slow paths (``bfloat16`` and
+``float16`` on CPUs without native support, dilated and transposed convolutions) unfold the whole batch into an
+im2col buffer, and oneDNN reorders inputs, outputs and gradients into its own blocked layouts; their backward sums the
+bias gradient of a reduced-precision ``grad_output`` in ``float32``. A convolutional network's step peaks inside
+those operators: without them the estimate of a CNN's peak was 8-42 % low. Reductions of ``bfloat16`` and ``float16``
+tensors (``mean``, a sum over several dimensions, ``logsumexp``) sum a ``float32`` copy of their input.
+
+How much depends on the kernel torch picks on this CPU (its instruction set, the dtype, the layout, the shapes), so
+it is measured, not modelled: each operator signature (shapes, strides, dtypes and arguments) runs once, on zeros of
+the real sizes, in a separate process (:mod:`~lightning_memtrace.estimator.kernel_scratch_worker`) that reads the
+allocator's reports of its own profiler session; its answer is kept for the rest of the process. That costs one real
+forward and backward of each convolution, up to :data:`MAX_MEASURED_BYTES` of tensors each; a larger one (and any
+signature the worker could not measure) is left at no scratch, and :attr:`KernelScratch.unmeasured` says so.
+
+Used for CPU targets only: a CUDA target's convolutions run cuDNN, whose workspace no CPU can measure.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import torch
+from torch import Tensor
+
+aten = torch.ops.aten
+
+#: Convolutions: im2col buffers (torch's slow paths), oneDNN's reorders, a reduced-precision bias gradient's fp32 sum.
+_CONVOLUTIONS = frozenset({aten.convolution.default, aten.convolution_backward.default})
+#: Reductions whose CPU kernel sums a ``bfloat16``/``float16`` input in a ``float32`` copy of it (``mean``, a sum over
+#: several dimensions or into another dtype, ``logsumexp``); measured for those dtypes only.
+_REDUCTIONS = frozenset(
+    {aten.mean.dim, aten.mean.default, aten.sum.dim_IntList, aten.sum.default, aten.logsumexp.default}
+)
+#: The operators whose kernels hold memory of their own on a CPU.
+SCRATCH_OPS = _CONVOLUTIONS | _REDUCTIONS
+_REDUCED_PRECISION = (torch.bfloat16, torch.float16)
+#: Largest operator measured, in bytes of its tensor arguments (larger ones are not run, and counted as unmeasured).
+MAX_MEASURED_BYTES = 2 << 30
+#: Signatures remembered per process (the oldest go first).
+MAX_REMEMBERED = 4096
+#: Seconds one measurement may take.
+MEASURE_TIMEOUT_S = 300.0
+#: Seconds without a request after which the measuring process ends (a later request starts another).
+IDLE_END_S = 30.0
+
+
+def _spec(value: Any) -> Any:
+    """An argument as the worker rebuilds it: a tensor as its shape, stride and dtype; lists and scalars as they are."""
+    if isinstance(value, Tensor):
+        if value.layout != torch.strided or value.device.type != "cpu":
+            raise TypeError(f"a {value.layout} tensor on {value.device} is not measured")
+        return {"shape": list(value.shape), "stride": list(value.stride()), "dtype": str(value.dtype).split(".")[-1]}
+    if isinstance(value, (list, tuple)):
+        return [_spec(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float)):
+        return value
+    if isinstance(value, torch.dtype):
+        return {"torch_dtype": str(value).split(".")[-1]}
+    if isinstance(value, torch.SymInt):
+        return int(value)
+    raise TypeError(f"argument {value!r} is not measured")
+
+
+def _tensor_bytes(value: Any) -> int:
+    if isinstance(value, Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
+
+
+class _Worker:
+    """The measuring process: started on the first request, ended at exit (or when it fails)."""
+
+    def __init__(self, command: tuple[str, ...] | None = None) -> None:
+        self.command = command or (sys.executable, "-m", "lightning_memtrace.estimator.kernel_scratch_worker")
+        self._process: subprocess.Popen[str] | None = None
+        self._lock = threading.Lock()
+        self._idle_end: threading.Timer | None = None
+        self.failure: str | None = None
+
+    def ask(self, request: dict[str, Any]) -> int | str:
+        """The bytes measured for ``request``, or why there are none."""
+        with self._lock:
+            if self.failure is not None:
+                return self.failure
+            try:
+                process = self._started()
+                assert process.stdin is not None and process.stdout is not None
+                process.stdin.write(json.dumps(request) + "\n")
+                process.stdin.flush()
+                answer = self._answer(process)
+            except Exception as error:
+                self.failure = f"the measuring process failed: {type(error).__name__}: {error}"
+                self._end()
+                return self.failure
+            self._end_when_idle()
+        if "bytes" in answer:
+            return int(answer["bytes"])
+        return str(answer.get("error") or "no answer")
+
+    def _answer(self, process: subprocess.Popen[str]) -> dict[str, Any]:
+        box: list[str] = []
+        reader = threading.Thread(target=lambda: box.append(process.stdout.readline()), daemon=True)  # type: ignore[union-attr]
+        reader.start()
+        reader.join(MEASURE_TIMEOUT_S)
+        if not box or not box[0]:
+            raise TimeoutError("no answer") if reader.is_alive() else EOFError("the process ended")
+        return json.loads(box[0])
+
+    def _started(self) -> subprocess.Popen[str]:
+        if self._process is None or self._process.poll() is not None:
+            env = dict(os.environ)
+            env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+            env["MEMTRACE_SCRATCH_THREADS"] = str(torch.get_num_threads())
+            self._process = subprocess.Popen(
+                list(self.command),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+                env=env,
+            )
+            atexit.register(self._end)
+        return self._process
+
+    def after_fork_in_child(self) -> None:
+        """A forked child (a what-if job, a DataLoader worker) starts a process of its own if it needs one: the
+        parent's pipes and lock are the parent's."""
+        self._process, self._idle_end, self._lock = None, None, threading.Lock()
+
+    def _end_when_idle(self) -> None:
+        # A training process that estimated once (MemTrace(estimate=True)) does not keep the process for the run.
+        if self._idle_end is not None:
+            self._idle_end.cancel()
+        self._idle_end = threading.Timer(IDLE_END_S, self._end_idle)
+        self._idle_end.daemon = True
+        self._idle_end.start()
+
+    def _end_idle(self) -> None:
+        with self._lock:
+            self._end()
+
+    def _end(self) -> None:
+        process, self._process = self._process, None
+        if process is None:
+            return
+        try:
+            if process.stdin is not None:
+                process.stdin.close()
+            process.wait(timeout=10)
+        except Exception:
+            process.kill()
+
+
+_WORKER = _Worker()
+os.register_at_fork(after_in_child=lambda: _WORKER.after_fork_in_child())
+#: Each signature's bytes, or why it has none.
+_REMEMBERED: OrderedDict[str, int | str] = OrderedDict()
+
+
+class KernelScratch:
+    """The scratch bytes of the CPU kernels of one estimate (see the module's text)."""
+
+    def __init__(self) -> None:
+        #: Signatures left at no scratch, and why (``"op: reason"``), in the order met.
+        self.unmeasured: list[str] = []
+
+    @staticmethod
+    def covers(func: Any) -> bool:
+        return func in SCRATCH_OPS
+
+    def extra_bytes(self, func: Any, args: tuple, kwargs: dict | None) -> int:
+        """The bytes the CPU kernel of ``func`` holds beyond its outputs at its peak (0 where not measured)."""
+        if func in _REDUCTIONS and not (args and isinstance(args[0], Tensor) and args[0].dtype in _REDUCED_PRECISION):
+            return 0
+        name = func.__name__
+        try:
+            spec = {"args": [_spec(a) for a in args], "kwargs": {k: _spec(v) for k, v in (kwargs or {}).items()}}
+        except TypeError as error:
+            self._unmeasured(name, str(error))
+            return 0
+        key = json.dumps([name, spec])
+        known = _REMEMBERED.get(key)
+        if known is None:
+            size = _tensor_bytes(args)
+            if size > MAX_MEASURED_BYTES:
+                known = f"{size:,} B of tensors, over the {MAX_MEASURED_BYTES:,} B measured"
+            else:
+                known = _WORKER.ask({"op": name, **spec})
+            _REMEMBERED[key] = known
+            if len(_REMEMBERED) > MAX_REMEMBERED:
+                _REMEMBERED.popitem(last=False)
+        else:
+            _REMEMBERED.move_to_end(key)
+        if isinstance(known, str):
+            self._unmeasured(name, known)
+            return 0
+        return known
+
+    def _unmeasured(self, name: str, reason: str) -> None:
+        line = f"{name}: {reason}"
+        if line not in self.unmeasured:
+            self.unmeasured.append(line)

@@ -1,0 +1,103 @@
+"""The process that measures a CPU kernel's scratch memory for :mod:`~lightning_memtrace.estimator.kernel_scratch`.
+
+Run as ``python -m lightning_memtrace.estimator.kernel_scratch_worker``. It reads one JSON request a line on stdin
+(an operator, its arguments and keyword arguments; tensors as shape, stride and dtype, dtypes as ``{"torch_dtype":
+name}``) and answers one JSON line: ``{"bytes": N}``, the
+most the operator held beyond the bytes alive before it and its outputs, as the allocator reported it, or
+``{"error": "..."}``. Its own process, because a training process may already run the one profiler session there can
+be (MemTrace's own, in a fit with ``estimate=True``), and the real tensors made here must stay out of that run's rows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any, TextIO
+
+
+def _answers_stream() -> TextIO:
+    """The protocol's stream (the original stdout); fd 1 then points at the null device, so that what C++ libraries
+    print there (the profiler's lines) cannot fall into the answers."""
+    answers = os.fdopen(os.dup(1), "w", buffering=1)
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    os.close(null)
+    return answers
+
+
+def _tensor(spec: dict[str, Any]) -> Any:
+    import torch
+
+    dtype = getattr(torch, spec["dtype"])
+    return torch.zeros(1, dtype=dtype).new_empty_strided(spec["shape"], spec["stride"]).zero_()
+
+
+def _decoded(value: Any) -> Any:
+    if isinstance(value, dict) and "shape" in value:
+        return _tensor(value)
+    if isinstance(value, dict) and "torch_dtype" in value:
+        import torch
+
+        return getattr(torch, value["torch_dtype"])
+    if isinstance(value, list):
+        return [_decoded(v) for v in value]
+    return value
+
+
+def _storage_bytes(value: Any, seen: set[int]) -> int:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        storage = value.untyped_storage()
+        if storage.data_ptr() in seen:
+            return 0
+        seen.add(storage.data_ptr())
+        return storage.nbytes()
+    if isinstance(value, (list, tuple)):
+        return sum(_storage_bytes(v, seen) for v in value)
+    return 0
+
+
+def measure(op_name: str, args: list[Any], kwargs: dict[str, Any], tracker: Any) -> int:
+    """The scratch bytes of ``torch.ops.aten.<op_name>`` on these arguments: its peak above the bytes alive before
+    it, less what its outputs hold."""
+    import torch
+
+    packet, _, overload = op_name.partition(".")
+    op = getattr(getattr(torch.ops.aten, packet), overload or "default")
+    real_args = [_decoded(a) for a in args]
+    real_kwargs = {k: _decoded(v) for k, v in kwargs.items()}
+    inputs = {t.untyped_storage().data_ptr() for t in real_args if isinstance(t, torch.Tensor)}
+    tracker.sync()
+    before = tracker.allocated
+    tracker.reset_peak()
+    out = op(*real_args, **real_kwargs)
+    tracker.sync()
+    peak = tracker.peak
+    held = _storage_bytes(out, set(inputs))
+    del out
+    return max(0, peak - before - held)
+
+
+def main(requests: TextIO = sys.stdin) -> int:
+    answers = _answers_stream()
+    import torch
+
+    from lightning_memtrace.capture.tracker import AllocationTracker
+
+    torch.set_num_threads(max(1, int(os.environ.get("MEMTRACE_SCRATCH_THREADS", "1"))))
+    with AllocationTracker("cpu", backend="reports") as tracker:
+        for line in requests:
+            try:
+                request = json.loads(line)
+                args, kwargs = request["args"], request.get("kwargs", {})
+                answer: dict[str, Any] = {"bytes": measure(request["op"], args, kwargs, tracker)}
+            except Exception as error:  # one request's failure is its answer; the next one is measured as usual
+                answer = {"error": f"{type(error).__name__}: {error}"[:300]}
+            answers.write(json.dumps(answer) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""The scratch CPU convolution kernels hold inside the operator (im2col, oneDNN's reorders): measured in a worker
+process and counted at the estimate's peak, so that a CNN's estimate meets its real run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import lightning.pytorch as pl
+from lightning_memtrace import MemTrace, estimate, load_phases
+from lightning_memtrace.estimator import compare_phase_peaks
+from lightning_memtrace.estimator import kernel_scratch
+from lm_helpers import trainer
+
+
+def _image_net() -> nn.Module:
+    # the CPU kernels of the common layers: a padded 3x3, batch norm, a strided grouped conv, a 1x1, a transposed conv
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+        nn.Conv2d(16, 32, 3, stride=2, padding=1, groups=4), nn.ReLU(),
+        nn.Conv2d(32, 32, 1), nn.ReLU(),
+        nn.ConvTranspose2d(32, 8, 4, stride=2, padding=1), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10),
+    )  # fmt: skip
+
+
+def _audio_net() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv1d(1, 16, 9, stride=4, padding=4), nn.GELU(), nn.Conv1d(16, 32, 5, stride=2, padding=2), nn.GELU(),
+        nn.Conv1d(32, 32, 3, padding=2, dilation=2), nn.AdaptiveAvgPool1d(1), nn.Flatten(), nn.Linear(32, 10),
+    )  # fmt: skip
+
+
+class ConvNet(pl.LightningModule):
+    def __init__(self, net: nn.Module, sample_shape: tuple[int, ...]) -> None:
+        super().__init__()
+        self.net, self.sample_shape = net, sample_shape
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters())
+
+    def train_dataloader(self):
+        data = torch.utils.data.TensorDataset(torch.randn(48, *self.sample_shape), torch.randint(0, 10, (48,)))
+        return torch.utils.data.DataLoader(data, batch_size=16)
+
+
+NETS = {"image": (_image_net, (3, 32, 32)), "audio": (_audio_net, (1, 4000))}
+
+
+@pytest.mark.parametrize(("net", "precision"), [("image", "32-true"), ("image", "bf16-mixed"), ("audio", "bf16-mixed")])
+def test_a_cnns_estimate_meets_its_run_at_every_phase(tmp_path, net, precision):
+    build, shape = NETS[net]
+    torch.manual_seed(0)
+    module = ConvNet(build(), shape)
+    callback = MemTrace(estimate=True, what_if_budget_s=0, history=False, report=False)
+    trainer(tmp_path, [callback], precision=precision).fit(module)
+    est = callback.estimated
+    assert est and est.scratch_unmeasured == ()
+    peaks = compare_phase_peaks(est, load_phases(callback.output_dir))
+    assert len(peaks) == 15
+    # the run's rows hold a few dozen bytes the step does not (Lightning's own scalars); the kernels' scratch is MiBs
+    assert (peaks.peak_bytes_estimated - peaks.peak_bytes_measured).abs().max() <= 256, peaks
+
+    # Without the kernels' scratch the same estimate is far below the run at its peak (what it was before).
+    without = estimate(module, next(iter(module.train_dataloader())), precision=precision, steps=3)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernel_scratch.KernelScratch, "covers", staticmethod(lambda func: False))
+        bare = estimate(module, next(iter(module.train_dataloader())), precision=precision, steps=3)
+    assert without.peak_bytes == est.peak_bytes
+    assert bare.peak_bytes < 0.95 * est.peak_bytes
+
+
+def _conv_bf16() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.Flatten()), (torch.randn(4, 3, 16, 16),)
+
+
+def test_the_worker_measures_a_slow_convolutions_im2col_buffer():
+    # bfloat16 on a CPU without native bf16 convolutions runs torch's slow path, which unfolds the whole batch: a
+    # [N, C*kh*kw, Ho*Wo] buffer; where oneDNN runs it the answer is oneDNN's own (not a formula): only checked > 0.
+    x = {"shape": [4, 3, 16, 16], "stride": [768, 256, 16, 1], "dtype": "bfloat16"}
+    w = {"shape": [8, 3, 3, 3], "stride": [27, 9, 3, 1], "dtype": "bfloat16"}
+    request = {"op": "convolution.default", "args": [x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1]}
+    lines = "not json\n" + json.dumps({"op": "no_such_op.default", "args": []}) + "\n" + json.dumps(request) + "\n"
+    done = subprocess.run(
+        [sys.executable, "-m", "lightning_memtrace.estimator.kernel_scratch_worker"],
+        input=lines, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    answers = [json.loads(line) for line in done.stdout.splitlines()]
+    assert len(answers) == 3 and "error" in answers[0] and "error" in answers[1]
+    x_real, w_real = torch.zeros(4, 3, 16, 16, dtype=torch.bfloat16), torch.zeros(8, 3, 3, 3, dtype=torch.bfloat16)
+    backend = torch._C._select_conv_backend(x_real, w_real, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, None)
+    if "Slow2d" in str(backend):
+        assert answers[2] == {"bytes": 4 * (3 * 3 * 3) * (16 * 16) * 2}
+    else:
+        assert answers[2]["bytes"] > 0
+
+
+@pytest.fixture
+def fresh_worker(monkeypatch):
+    def use(command: tuple[str, ...] | None = None) -> kernel_scratch._Worker:
+        worker = kernel_scratch._Worker(command)
+        monkeypatch.setattr(kernel_scratch, "_WORKER", worker)
+        monkeypatch.setattr(kernel_scratch, "_REMEMBERED", type(kernel_scratch._REMEMBERED)())
+        return worker
+
+    return use
+
+
+def test_without_a_worker_the_estimate_says_what_it_left_out(fresh_worker):
+    fresh_worker((sys.executable, "-c", "import sys; sys.exit(3)"))
+    model, batch = _conv_bf16()
+    est = estimate(model, batch, precision="bf16-true")
+    assert est.scratch_unmeasured and all("the measuring process failed" in u for u in est.scratch_unmeasured)
+    assert est.scratch_unmeasured[0].startswith("convolution.default: ")
+    assert "the scratch of CPU kernels left out, the peak may be higher" in est.describe()
+    assert est.as_dict()["scratch_unmeasured"] == list(est.scratch_unmeasured)
+
+
+def test_an_operator_over_the_size_measured_is_not_run(fresh_worker, monkeypatch):
+    worker = fresh_worker()
+    monkeypatch.setattr(kernel_scratch, "MAX_MEASURED_BYTES", 1024)
+    asked = []
+    monkeypatch.setattr(worker, "ask", lambda request: asked.append(request) or 0)
+    model, batch = _conv_bf16()
+    est = estimate(model, batch)
+    assert not asked
+    assert est.scratch_unmeasured and "over the 1,024 B measured" in est.scratch_unmeasured[0]
+
+
+def test_a_cuda_target_asks_nothing(fresh_worker, monkeypatch):
+    worker = fresh_worker()
+    monkeypatch.setattr(worker, "ask", lambda request: pytest.fail("a CUDA target's kernels are not CPU's"))
+    model, batch = _conv_bf16()
+    est = estimate(model, batch, device="cuda", precision="bf16-mixed")
+    assert est.device == "cuda" and est.scratch_unmeasured == ()
+
+
+def test_a_signature_is_measured_once_and_the_worker_ends_when_idle(fresh_worker, monkeypatch):
+    worker = fresh_worker()
+    monkeypatch.setattr(kernel_scratch, "IDLE_END_S", 0.5)
+    model, batch = _conv_bf16()
+    first = estimate(model, batch, precision="bf16-true")
+    remembered = dict(kernel_scratch._REMEMBERED)
+    assert len(remembered) == 2 and all(isinstance(v, int) and v > 0 for v in remembered.values())
+    with monkeypatch.context() as patch:
+        patch.setattr(worker, "ask", lambda request: pytest.fail("measured again"))
+        assert estimate(model, batch, precision="bf16-true").peak_bytes == first.peak_bytes
+    deadline = time.monotonic() + 10
+    while worker._process is not None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert worker._process is None
+
+
+def test_a_forked_child_measures_with_a_process_of_its_own(fresh_worker):
+    import os
+
+    worker = fresh_worker()
+    model, batch = _conv_bf16()
+    first = estimate(model, batch, precision="bf16-true")
+    parent = worker._process.pid
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child's exit code carries the checks
+        kernel_scratch._REMEMBERED.clear()
+        ok = estimate(model, batch, precision="bf16-true").peak_bytes == first.peak_bytes
+        os._exit(0 if ok and worker._process is not None and worker._process.pid != parent else 1)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert worker._process is not None and worker._process.pid == parent
