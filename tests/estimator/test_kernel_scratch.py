@@ -127,15 +127,39 @@ def test_without_a_worker_the_estimate_says_what_it_left_out(fresh_worker):
     assert est.as_dict()["scratch_unmeasured"] == list(est.scratch_unmeasured)
 
 
-def test_an_operator_over_the_size_measured_is_not_run(fresh_worker, monkeypatch):
+def test_an_operator_over_the_size_run_is_measured_at_two_smaller_batches(fresh_worker, monkeypatch):
     worker = fresh_worker()
-    monkeypatch.setattr(kernel_scratch, "MAX_MEASURED_BYTES", 1024)
     asked = []
-    monkeypatch.setattr(worker, "ask", lambda request: asked.append(request) or 0)
-    model, batch = _conv_bf16()
-    est = estimate(model, batch)
-    assert not asked
-    assert est.scratch_unmeasured and "over the 1,024 B measured" in est.scratch_unmeasured[0]
+
+    def ask(request):
+        asked.append(request)
+        return 1000 * request["args"][0]["shape"][0] + 7  # a scratch of 1,000 B a sample and 7 B besides
+
+    monkeypatch.setattr(worker, "ask", ask)
+    x = torch.zeros(64, 3, 16, 16).contiguous(memory_format=torch.channels_last)
+    w = torch.zeros(8, 3, 3, 3)
+    args = (x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+    size = x.numel() * 4 + w.numel() * 4
+    monkeypatch.setattr(kernel_scratch, "MAX_MEASURED_BYTES", size // 4)
+    scratch = kernel_scratch.KernelScratch()
+    assert scratch.extra_bytes(torch.ops.aten.convolution.default, args, {}) == 64 * 1000 + 7
+    assert [r["args"][0]["shape"][0] for r in asked] == [8, 16]  # the largest batch within the size, and its half
+    # each smaller batch keeps the input's layout (channels-last) and the weight as it is
+    assert asked[1]["args"][0] == {"shape": [16, 3, 16, 16], "stride": [768, 1, 48, 3], "dtype": "float32"}
+    assert asked[1]["args"][1]["shape"] == [8, 3, 3, 3] and scratch.unmeasured == []
+    # both batch-carrying arguments of a backward are cut down together
+    grad = torch.zeros(64, 8, 16, 16)
+    backward = (grad, x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [True, True, False])
+    asked.clear()
+    scratch.extra_bytes(torch.ops.aten.convolution_backward.default, backward, {})
+    assert [(r["args"][0]["shape"][0], r["args"][1]["shape"][0], r["args"][2]["shape"][0]) for r in asked] == [
+        (n, n, 8) for n in (asked[0]["args"][0]["shape"][0], asked[1]["args"][0]["shape"][0])
+    ]
+
+    monkeypatch.setattr(kernel_scratch, "MAX_MEASURED_BYTES", 1024)
+    asked.clear()
+    assert scratch.extra_bytes(torch.ops.aten.convolution.default, (torch.zeros(65, 3, 16, 16), *args[1:]), {}) == 0
+    assert not asked and "over the 1,024 B measured even at a batch of 2" in scratch.unmeasured[0]
 
 
 def test_a_cuda_target_asks_nothing(fresh_worker, monkeypatch):

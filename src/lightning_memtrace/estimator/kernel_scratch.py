@@ -11,9 +11,11 @@ tensors (``mean``, a sum over several dimensions, ``logsumexp``) sum a ``float32
 How much depends on the kernel torch picks on this CPU (its instruction set, the dtype, the layout, the shapes), so
 it is measured, not modelled: each operator signature (shapes, strides, dtypes and arguments) runs once, on zeros of
 the real sizes, in a separate process (:mod:`~lightning_memtrace.estimator.kernel_scratch_worker`) that reads the
-allocator's reports of its own profiler session; its answer is kept for the rest of the process. That costs one real
-forward and backward of each convolution, up to :data:`MAX_MEASURED_BYTES` of tensors each; a larger one (and any
-signature the worker could not measure) is left at no scratch, and :attr:`KernelScratch.unmeasured` says so.
+allocator's reports of its own profiler session; its answer is kept for the rest of the process. An operator with up
+to :data:`MAX_MEASURED_BYTES` of tensors runs at its own size (exact: one real forward and backward of each distinct
+convolution); a larger one runs at two smaller batches, and its scratch is carried on in a straight line to its batch
+(a few percent off where the kernel picks another algorithm at another batch; each run takes about a second at most).
+What the worker could not measure is left at no scratch, and :attr:`KernelScratch.unmeasured` says so.
 
 Used for CPU targets only: a CUDA target's convolutions run cuDNN, whose workspace no CPU can measure.
 """
@@ -43,9 +45,11 @@ _REDUCTIONS = frozenset(
 )
 #: The operators whose kernels hold memory of their own on a CPU.
 SCRATCH_OPS = _CONVOLUTIONS | _REDUCTIONS
+#: The arguments that carry the batch in dimension 0 (else the first).
+_BATCH_ARGS = {aten.convolution.default: (0,), aten.convolution_backward.default: (0, 1)}
 _REDUCED_PRECISION = (torch.bfloat16, torch.float16)
-#: Largest operator measured, in bytes of its tensor arguments (larger ones are not run, and counted as unmeasured).
-MAX_MEASURED_BYTES = 2 << 30
+#: Largest operator run at its own size, in bytes of its tensor arguments (a larger one runs at two smaller batches).
+MAX_MEASURED_BYTES = 32 << 20
 #: Signatures remembered per process (the oldest go first).
 MAX_REMEMBERED = 4096
 #: Seconds one measurement may take.
@@ -55,13 +59,16 @@ IDLE_END_S = 30.0
 
 
 def _spec(value: Any) -> Any:
-    """An argument as the worker rebuilds it: a tensor as its shape, stride and dtype; lists and scalars as they are."""
+    """An argument as the worker rebuilds it: a tensor as its shape, stride and dtype; lists, dicts and scalars as they
+    are; a dtype by its name."""
     if isinstance(value, Tensor):
         if value.layout != torch.strided or value.device.type != "cpu":
             raise TypeError(f"a {value.layout} tensor on {value.device} is not measured")
         return {"shape": list(value.shape), "stride": list(value.stride()), "dtype": str(value.dtype).split(".")[-1]}
     if isinstance(value, (list, tuple)):
         return [_spec(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _spec(v) for k, v in value.items()}
     if value is None or isinstance(value, (bool, int, float)):
         return value
     if isinstance(value, torch.dtype):
@@ -186,18 +193,13 @@ class KernelScratch:
             return 0
         name = func.__name__
         try:
-            spec = {"args": [_spec(a) for a in args], "kwargs": {k: _spec(v) for k, v in (kwargs or {}).items()}}
+            key = json.dumps([name, _spec(list(args)), _spec(dict(kwargs or {}))])
         except TypeError as error:
             self._unmeasured(name, str(error))
             return 0
-        key = json.dumps([name, spec])
         known = _REMEMBERED.get(key)
         if known is None:
-            size = _tensor_bytes(args)
-            if size > MAX_MEASURED_BYTES:
-                known = f"{size:,} B of tensors, over the {MAX_MEASURED_BYTES:,} B measured"
-            else:
-                known = _WORKER.ask({"op": name, **spec})
+            known = _measured(func, args, kwargs or {})
             _REMEMBERED[key] = known
             if len(_REMEMBERED) > MAX_REMEMBERED:
                 _REMEMBERED.popitem(last=False)
@@ -212,3 +214,57 @@ class KernelScratch:
         line = f"{name}: {reason}"
         if line not in self.unmeasured:
             self.unmeasured.append(line)
+
+
+def _measured(func: Any, args: tuple, kwargs: dict) -> int | str:
+    """The operator's scratch on these arguments, measured at their size where it is at most
+    :data:`MAX_MEASURED_BYTES` of tensors; above that, at two smaller batches and carried on in a straight line
+    to this one (scratch grows with the batch: im2col and reorder buffers are per sample). Or why there is none."""
+    size = _tensor_bytes(args)
+    if size <= MAX_MEASURED_BYTES:
+        return _asked(func, args, kwargs, None)
+    batched = _BATCH_ARGS.get(func, (0,))
+    batch = int(args[batched[0]].shape[0]) if args[batched[0]].dim() else 0
+    larger = batch * MAX_MEASURED_BYTES // size
+    if larger < 2:
+        return f"{size:,} B of tensors, over the {MAX_MEASURED_BYTES:,} B measured even at a batch of 2"
+    smaller = larger // 2
+    answers = [_asked(func, args, kwargs, (n, batched)) for n in (smaller, larger)]
+    if isinstance(answers[0], str):
+        return answers[0]
+    if isinstance(answers[1], str):
+        return answers[1]
+    slope = (answers[1] - answers[0]) / (larger - smaller)
+    return max(0, round(answers[1] + slope * (batch - larger)))
+
+
+def _asked(func: Any, args: tuple, kwargs: dict, rebatched: tuple[int, tuple[int, ...]] | None) -> int | str:
+    """Ask the worker about ``func`` on these arguments, with the batch dimension of the arguments at the given
+    positions set to ``n`` (``rebatched = (n, positions)``) where given."""
+    spec_args = _spec(list(args))
+    if rebatched is not None:
+        n, positions = rebatched
+        for position in positions:
+            resized = _rebatched(spec_args[position], n)
+            if resized is None:
+                return "an argument that is not dense could not be measured at a smaller batch"
+            spec_args[position] = resized
+    return _WORKER.ask({"op": func.__name__, "args": spec_args, "kwargs": _spec(kwargs)})
+
+
+def _rebatched(spec: dict[str, Any], n: int) -> dict[str, Any] | None:
+    """A dense tensor's spec with ``n`` rows in dimension 0, its dimensions laid out in the same order (contiguous,
+    channels-last, any permutation); None for a tensor with gaps or overlaps."""
+    shape, stride = list(spec["shape"]), list(spec["stride"])
+    order = sorted(range(len(shape)), key=lambda d: (stride[d], shape[d]))  # innermost first
+    expected = 1
+    for d in order:
+        if shape[d] != 1 and stride[d] != expected:
+            return None
+        expected *= shape[d]
+    shape[0] = n
+    step = 1
+    for d in order:
+        stride[d] = step
+        step *= shape[d]
+    return {**spec, "shape": shape, "stride": stride}
