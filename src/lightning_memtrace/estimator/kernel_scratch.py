@@ -168,6 +168,10 @@ class _Worker:
             process.wait(timeout=10)
         except Exception:
             process.kill()
+            process.wait()
+        finally:
+            if process.stdout is not None:
+                process.stdout.close()
 
 
 _WORKER = _Worker()
