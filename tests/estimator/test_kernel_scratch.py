@@ -80,6 +80,54 @@ def test_a_cnns_estimate_meets_its_run_at_every_phase(tmp_path, net, precision):
     assert bare.peak_bytes < 0.95 * est.peak_bytes
 
 
+class LstmTagger(pl.LightningModule):
+    def __init__(self, bidirectional: bool) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(100, 32)
+        self.lstm = nn.LSTM(32, 64, num_layers=2, batch_first=True, bidirectional=bidirectional)
+        self.head = nn.Linear(128 if bidirectional else 64, 100)
+
+    def training_step(self, batch, batch_idx):
+        tokens, tags = batch
+        hidden, _ = self.lstm(self.embedding(tokens))
+        return nn.functional.cross_entropy(self.head(hidden).flatten(0, 1), tags.flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters())
+
+    def train_dataloader(self):
+        data = torch.utils.data.TensorDataset(torch.randint(0, 100, (48, 40)), torch.randint(0, 100, (48, 40)))
+        return torch.utils.data.DataLoader(data, batch_size=16)
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_an_lstms_estimate_holds_onednns_workspace(tmp_path, bidirectional):
+    # On CPU nn.LSTM runs oneDNN's layer, which returns a workspace saved for backward; torch's meta kernel makes it
+    # empty, and the estimate's activations were 87 % low.
+    torch.manual_seed(0)
+    module = LstmTagger(bidirectional)
+    callback = MemTrace(estimate=True, what_if_budget_s=0, history=False, report=False)
+    trainer(tmp_path, [callback]).fit(module)
+    est = callback.estimated
+    assert est and est.scratch_unmeasured == ()
+    phases = load_phases(callback.output_dir)
+    peaks = compare_phase_peaks(est, phases)
+    assert len(peaks) == 15
+    # within 1,068 B at the first step's backward (of 7.3 MB), 44-100 B at the others
+    error_bytes = (peaks.peak_bytes_estimated - peaks.peak_bytes_measured).abs()
+    close = (error_bytes <= 256) | (peaks.error_percent.abs() <= 0.02)
+    assert close.all(), peaks
+    rows = est.to_dataframe()
+    forward = (rows.phase == "after_forward") & (rows.step == 2)
+    measured = phases[(phases.phase == "after_forward") & (phases.step == 2)]
+    assert int(rows[forward].activations_bytes.iloc[0]) == int(measured.activations_bytes.iloc[0])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernel_scratch.KernelScratch, "covers", staticmethod(lambda func: False))
+        bare = estimate(module, next(iter(module.train_dataloader())), steps=3)
+    bare_rows = bare.to_dataframe()
+    assert int(bare_rows[forward].activations_bytes.iloc[0]) < 0.5 * int(measured.activations_bytes.iloc[0])
+
+
 def _conv_bf16() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.Flatten()), (torch.randn(4, 3, 16, 16),)
 
@@ -100,8 +148,9 @@ def test_the_worker_measures_a_slow_convolutions_im2col_buffer():
     assert len(answers) == 3 and "error" in answers[0] and "error" in answers[1]
     x_real, w_real = torch.zeros(4, 3, 16, 16, dtype=torch.bfloat16), torch.zeros(8, 3, 3, 3, dtype=torch.bfloat16)
     backend = torch._C._select_conv_backend(x_real, w_real, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, None)
+    assert answers[2]["shapes"] == [[4, 8, 16, 16]]
     if "Slow2d" in str(backend):
-        assert answers[2] == {"bytes": 4 * (3 * 3 * 3) * (16 * 16) * 2}
+        assert answers[2]["bytes"] == 4 * (3 * 3 * 3) * (16 * 16) * 2
     else:
         assert answers[2]["bytes"] > 0
 
@@ -133,7 +182,7 @@ def test_an_operator_over_the_size_run_is_measured_at_two_smaller_batches(fresh_
 
     def ask(request):
         asked.append(request)
-        return 1000 * request["args"][0]["shape"][0] + 7  # a scratch of 1,000 B a sample and 7 B besides
+        return kernel_scratch.KernelMemory(1000 * request["args"][0]["shape"][0] + 7)  # 1,000 B a sample, 7 B besides
 
     monkeypatch.setattr(worker, "ask", ask)
     x = torch.zeros(64, 3, 16, 16).contiguous(memory_format=torch.channels_last)
@@ -142,7 +191,7 @@ def test_an_operator_over_the_size_run_is_measured_at_two_smaller_batches(fresh_
     size = x.numel() * 4 + w.numel() * 4
     monkeypatch.setattr(kernel_scratch, "MAX_MEASURED_BYTES", size // 4)
     scratch = kernel_scratch.KernelScratch()
-    assert scratch.extra_bytes(torch.ops.aten.convolution.default, args, {}) == 64 * 1000 + 7
+    assert scratch.after(torch.ops.aten.convolution.default, args, {}, None)[1] == 64 * 1000 + 7
     assert [r["args"][0]["shape"][0] for r in asked] == [8, 16]  # the largest batch within the size, and its half
     # each smaller batch keeps the input's layout (channels-last) and the weight as it is
     assert asked[1]["args"][0] == {"shape": [16, 3, 16, 16], "stride": [768, 1, 48, 3], "dtype": "float32"}
@@ -151,14 +200,20 @@ def test_an_operator_over_the_size_run_is_measured_at_two_smaller_batches(fresh_
     grad = torch.zeros(64, 8, 16, 16)
     backward = (grad, x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [True, True, False])
     asked.clear()
-    scratch.extra_bytes(torch.ops.aten.convolution_backward.default, backward, {})
+    scratch.after(torch.ops.aten.convolution_backward.default, backward, {}, None)
     assert [(r["args"][0]["shape"][0], r["args"][1]["shape"][0], r["args"][2]["shape"][0]) for r in asked] == [
         (n, n, 8) for n in (asked[0]["args"][0]["shape"][0], asked[1]["args"][0]["shape"][0])
     ]
 
+    # an output sized by the kernel is measured at its own size only
+    asked.clear()
+    lstm_input = torch.zeros(40, 16, 32)
+    assert kernel_scratch.KernelScratch().measured(torch.ops.aten.mkldnn_rnn_layer.default, (lstm_input,), {}) is None
+    assert not asked
+
     monkeypatch.setattr(kernel_scratch, "MAX_MEASURED_BYTES", 1024)
     asked.clear()
-    assert scratch.extra_bytes(torch.ops.aten.convolution.default, (torch.zeros(65, 3, 16, 16), *args[1:]), {}) == 0
+    assert scratch.after(torch.ops.aten.convolution.default, (torch.zeros(65, 3, 16, 16), *args[1:]), {}, None)[1] == 0
     assert not asked and "over the 1,024 B measured even at a batch of 2" in scratch.unmeasured[0]
 
 
@@ -176,7 +231,7 @@ def test_a_signature_is_measured_once_and_the_worker_ends_when_idle(fresh_worker
     model, batch = _conv_bf16()
     first = estimate(model, batch, precision="bf16-true")
     remembered = dict(kernel_scratch._REMEMBERED)
-    assert len(remembered) == 2 and all(isinstance(v, int) and v > 0 for v in remembered.values())
+    assert len(remembered) == 2 and all(v.scratch > 0 for v in remembered.values())
     with monkeypatch.context() as patch:
         patch.setattr(worker, "ask", lambda request: pytest.fail("measured again"))
         assert estimate(model, batch, precision="bf16-true").peak_bytes == first.peak_bytes

@@ -23,12 +23,15 @@ from lightning_memtrace.capture.storages import PLAIN_TENSORS, layout_parts, mem
 from lightning_memtrace.types import Frame
 
 class KernelScratchRule(Protocol):
-    """Bytes a kernel holds inside an operator beyond its outputs, which the mode cannot see (set by the estimate,
-    whose fake tensors have no kernels: :mod:`lightning_memtrace.estimator.kernel_scratch`)."""
+    """What a kernel holds that the mode cannot see: bytes inside an operator beyond its outputs, and outputs sized by
+    the kernel (set by the estimate, whose fake tensors have no kernels:
+    :mod:`lightning_memtrace.estimator.kernel_scratch`)."""
 
     def covers(self, func: Any) -> bool: ...
 
-    def extra_bytes(self, func: Any, args: tuple, kwargs: dict | None) -> int: ...
+    def after(self, func: Any, args: tuple, kwargs: dict | None, out: Any) -> tuple[Any, int]:
+        """The operator's outputs as the kernel sizes them, and its scratch bytes beyond them."""
+        ...
 
 
 _RESIZING_OPS = frozenset({"resize_", "resize_as_", "set_", "resize_storage_bytes_"})
@@ -219,11 +222,11 @@ class DispatchBackend:
         return plan
 
     def _with_scratch(self, call: Callable[..., Any], func: Any, rule: KernelScratchRule) -> Callable[..., Any]:
-        """``call``, then its outputs counted and the kernel's scratch passed through the peak above them."""
+        """``call``, its outputs as the kernel sizes them, then those counted and the kernel's scratch passed through
+        the peak above them."""
 
         def with_scratch(*args: Any, **kwargs: Any) -> Any:
-            out = call(*args, **kwargs)
-            nbytes = rule.extra_bytes(func, args, kwargs)
+            out, nbytes = rule.after(func, args, kwargs, call(*args, **kwargs))
             if nbytes > 0:
                 self._seen(out)
                 self.state.pass_through(nbytes)

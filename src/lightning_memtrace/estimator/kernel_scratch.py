@@ -1,4 +1,5 @@
-"""Memory a CPU kernel takes inside an operator and frees before it returns, which no fake tensor shows.
+"""Memory a CPU kernel takes inside an operator and frees before it returns, and outputs only the kernel knows the
+size of: what no fake tensor shows.
 
 A fake tensor has the sizes of an operator's outputs; what the kernel allocates for itself while it runs is not among
 them. For most operators that is nothing. CPU convolutions are the exception: torch's slow paths (``bfloat16`` and
@@ -6,7 +7,10 @@ them. For most operators that is nothing. CPU convolutions are the exception: to
 im2col buffer, and oneDNN reorders inputs, outputs and gradients into its own blocked layouts; their backward sums the
 bias gradient of a reduced-precision ``grad_output`` in ``float32``. A convolutional network's step peaks inside
 those operators: without them the estimate of a CNN's peak was 8-42 % low. Reductions of ``bfloat16`` and ``float16``
-tensors (``mean``, a sum over several dimensions, ``logsumexp``) sum a ``float32`` copy of their input.
+tensors (``mean``, a sum over several dimensions, ``logsumexp``) sum a ``float32`` copy of their input. And
+oneDNN's LSTM layer (``nn.LSTM`` on CPU) returns a workspace, saved for backward, whose size oneDNN decides: on fake
+tensors it is empty, and an LSTM's estimated activations were 87 % low; the estimate gives that output the size the
+kernel gives it.
 
 How much depends on the kernel torch picks on this CPU (its instruction set, the dtype, the layout, the shapes), so
 it is measured, not modelled: each operator signature (shapes, strides, dtypes and arguments) runs once, on zeros of
@@ -15,9 +19,10 @@ allocator's reports of its own profiler session; its answer is kept for the rest
 to :data:`MAX_MEASURED_BYTES` of tensors runs at its own size (exact: one real forward and backward of each distinct
 convolution); a larger one runs at two smaller batches, and its scratch is carried on in a straight line to its batch
 (a few percent off where the kernel picks another algorithm at another batch; each run takes about a second at most).
-What the worker could not measure is left at no scratch, and :attr:`KernelScratch.unmeasured` says so.
+An output sized by the kernel is measured at its own size only. What the worker could not measure is left at no
+scratch (or at the fake output's size), and :attr:`KernelScratch.unmeasured` says so.
 
-Used for CPU targets only: a CUDA target's convolutions run cuDNN, whose workspace no CPU can measure.
+Used for CPU targets only: a CUDA target's convolutions and LSTMs run cuDNN, whose workspaces no CPU can measure.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import subprocess
 import sys
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,8 +49,10 @@ _CONVOLUTIONS = frozenset({aten.convolution.default, aten.convolution_backward.d
 _REDUCTIONS = frozenset(
     {aten.mean.dim, aten.mean.default, aten.sum.dim_IntList, aten.sum.default, aten.logsumexp.default}
 )
+#: Operators with an output whose size only the CPU kernel knows (oneDNN's LSTM workspace, empty on fake tensors).
+_KERNEL_SIZED_OUTPUTS = frozenset({aten.mkldnn_rnn_layer.default})
 #: The operators whose kernels hold memory of their own on a CPU.
-SCRATCH_OPS = _CONVOLUTIONS | _REDUCTIONS
+SCRATCH_OPS = _CONVOLUTIONS | _REDUCTIONS | _KERNEL_SIZED_OUTPUTS | {aten.mkldnn_rnn_layer_backward.default}
 #: The arguments that carry the batch in dimension 0 (else the first).
 _BATCH_ARGS = {aten.convolution.default: (0,), aten.convolution_backward.default: (0, 1)}
 _REDUCED_PRECISION = (torch.bfloat16, torch.float16)
@@ -78,6 +86,15 @@ def _spec(value: Any) -> Any:
     raise TypeError(f"argument {value!r} is not measured")
 
 
+@dataclass(frozen=True)
+class KernelMemory:
+    """What a CPU kernel held on one signature: ``scratch`` bytes beyond its outputs at its peak, and its outputs'
+    shapes (None for an output that is no tensor; ``output_shapes`` None where measured at other batches)."""
+
+    scratch: int
+    output_shapes: tuple[tuple[int, ...] | None, ...] | None = None
+
+
 def _tensor_bytes(value: Any) -> int:
     if isinstance(value, Tensor):
         return value.numel() * value.element_size()
@@ -96,8 +113,8 @@ class _Worker:
         self._idle_end: threading.Timer | None = None
         self.failure: str | None = None
 
-    def ask(self, request: dict[str, Any]) -> int | str:
-        """The bytes measured for ``request``, or why there are none."""
+    def ask(self, request: dict[str, Any]) -> KernelMemory | str:
+        """What was measured for ``request``, or why nothing was."""
         with self._lock:
             if self.failure is not None:
                 return self.failure
@@ -113,7 +130,11 @@ class _Worker:
                 return self.failure
             self._end_when_idle()
         if "bytes" in answer:
-            return int(answer["bytes"])
+            shapes = answer.get("shapes")
+            return KernelMemory(
+                int(answer["bytes"]),
+                tuple(None if s is None else tuple(int(d) for d in s) for s in shapes) if shapes is not None else None,
+            )
         return str(answer.get("error") or "no answer")
 
     def _answer(self, process: subprocess.Popen[str]) -> dict[str, Any]:
@@ -176,8 +197,8 @@ class _Worker:
 
 _WORKER = _Worker()
 os.register_at_fork(after_in_child=lambda: _WORKER.after_fork_in_child())
-#: Each signature's bytes, or why it has none.
-_REMEMBERED: OrderedDict[str, int | str] = OrderedDict()
+#: What each signature's kernel held, or why it is not known.
+_REMEMBERED: OrderedDict[str, KernelMemory | str] = OrderedDict()
 
 
 class KernelScratch:
@@ -191,16 +212,27 @@ class KernelScratch:
     def covers(func: Any) -> bool:
         return func in SCRATCH_OPS
 
-    def extra_bytes(self, func: Any, args: tuple, kwargs: dict | None) -> int:
-        """The bytes the CPU kernel of ``func`` holds beyond its outputs at its peak (0 where not measured)."""
+    def after(self, func: Any, args: tuple, kwargs: dict | None, out: Any) -> tuple[Any, int]:
+        """``func``'s outputs ``out`` as the CPU kernel sizes them, and the bytes it holds beyond them at its peak (0
+        where not measured)."""
+        memory = self.measured(func, args, kwargs)
+        if memory is None:
+            return out, 0
+        if func in _KERNEL_SIZED_OUTPUTS and memory.output_shapes is not None:
+            out = _sized_as(out, memory.output_shapes)
+        return out, memory.scratch
+
+    def measured(self, func: Any, args: tuple, kwargs: dict | None) -> KernelMemory | None:
+        """What the CPU kernel of ``func`` holds on these arguments, measured once per signature; None where it is
+        not measured (noted in :attr:`unmeasured` where it could not be)."""
         if func in _REDUCTIONS and not (args and isinstance(args[0], Tensor) and args[0].dtype in _REDUCED_PRECISION):
-            return 0
+            return None
         name = func.__name__
         try:
             key = json.dumps([name, _spec(list(args)), _spec(dict(kwargs or {}))])
         except TypeError as error:
             self._unmeasured(name, str(error))
-            return 0
+            return None
         known = _REMEMBERED.get(key)
         if known is None:
             known = _measured(func, args, kwargs or {})
@@ -211,7 +243,7 @@ class KernelScratch:
             _REMEMBERED.move_to_end(key)
         if isinstance(known, str):
             self._unmeasured(name, known)
-            return 0
+            return None
         return known
 
     def _unmeasured(self, name: str, reason: str) -> None:
@@ -220,13 +252,26 @@ class KernelScratch:
             self.unmeasured.append(line)
 
 
-def _measured(func: Any, args: tuple, kwargs: dict) -> int | str:
-    """The operator's scratch on these arguments, measured at their size where it is at most
-    :data:`MAX_MEASURED_BYTES` of tensors; above that, at two smaller batches and carried on in a straight line
-    to this one (scratch grows with the batch: im2col and reorder buffers are per sample). Or why there is none."""
+def _sized_as(out: Any, shapes: tuple[tuple[int, ...] | None, ...]) -> Any:
+    """``out`` (a tuple of fake tensors) with each tensor whose shape the kernel gives otherwise made anew in it."""
+    if not isinstance(out, tuple) or len(out) != len(shapes):
+        return out
+    return tuple(
+        o.new_empty(shape) if isinstance(o, Tensor) and shape is not None and tuple(o.shape) != shape else o
+        for o, shape in zip(out, shapes)
+    )
+
+
+def _measured(func: Any, args: tuple, kwargs: dict) -> KernelMemory | str:
+    """What the operator's kernel holds on these arguments, measured at their size where it is at most
+    :data:`MAX_MEASURED_BYTES` of tensors; above that (the scratch only, not an output sized by the kernel), at two
+    smaller batches and carried on in a straight line to this one (scratch grows with the batch: im2col and reorder
+    buffers are per sample). Or why there is nothing."""
     size = _tensor_bytes(args)
     if size <= MAX_MEASURED_BYTES:
         return _asked(func, args, kwargs, None)
+    if func in _KERNEL_SIZED_OUTPUTS:
+        return f"{size:,} B of tensors, over the {MAX_MEASURED_BYTES:,} B measured (its output sized by the kernel)"
     batched = _BATCH_ARGS.get(func, (0,))
     batch = int(args[batched[0]].shape[0]) if args[batched[0]].dim() else 0
     larger = batch * MAX_MEASURED_BYTES // size
@@ -238,11 +283,11 @@ def _measured(func: Any, args: tuple, kwargs: dict) -> int | str:
         return answers[0]
     if isinstance(answers[1], str):
         return answers[1]
-    slope = (answers[1] - answers[0]) / (larger - smaller)
-    return max(0, round(answers[1] + slope * (batch - larger)))
+    slope = (answers[1].scratch - answers[0].scratch) / (larger - smaller)
+    return KernelMemory(max(0, round(answers[1].scratch + slope * (batch - larger))))
 
 
-def _asked(func: Any, args: tuple, kwargs: dict, rebatched: tuple[int, tuple[int, ...]] | None) -> int | str:
+def _asked(func: Any, args: tuple, kwargs: dict, rebatched: tuple[int, tuple[int, ...]] | None) -> KernelMemory | str:
     """Ask the worker about ``func`` on these arguments, with the batch dimension of the arguments at the given
     positions set to ``n`` (``rebatched = (n, positions)``) where given."""
     spec_args = _spec(list(args))

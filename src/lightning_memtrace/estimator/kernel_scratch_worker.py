@@ -1,9 +1,9 @@
-"""The process that measures a CPU kernel's scratch memory for :mod:`~lightning_memtrace.estimator.kernel_scratch`.
+"""The process that measures a CPU kernel's memory for :mod:`~lightning_memtrace.estimator.kernel_scratch`.
 
 Run as ``python -m lightning_memtrace.estimator.kernel_scratch_worker``. It reads one JSON request a line on stdin
-(an operator, its arguments and keyword arguments; tensors as shape, stride and dtype, dtypes as ``{"torch_dtype":
-name}``) and answers one JSON line: ``{"bytes": N}``, the
-most the operator held beyond the bytes alive before it and its outputs, as the allocator reported it, or
+(an operator, its arguments and keyword arguments; tensors as shape, stride and dtype, dtypes as
+``{"torch_dtype": name}``) and answers one JSON line: ``{"bytes": N, "shapes": [...]}``, the most the operator held
+beyond the bytes alive before it and its outputs, as the allocator reported it, and its outputs' shapes; or
 ``{"error": "..."}``. Its own process, because a training process may already run the one profiler session there can
 be (MemTrace's own, in a fit with ``estimate=True``), and the real tensors made here must stay out of that run's rows.
 """
@@ -59,9 +59,9 @@ def _storage_bytes(value: Any, seen: set[int]) -> int:
     return 0
 
 
-def measure(op_name: str, args: list[Any], kwargs: dict[str, Any], tracker: Any) -> int:
-    """The scratch bytes of ``torch.ops.aten.<op_name>`` on these arguments: its peak above the bytes alive before
-    it, less what its outputs hold."""
+def measure(op_name: str, args: list[Any], kwargs: dict[str, Any], tracker: Any) -> tuple[int, list[Any]]:
+    """The scratch bytes of ``torch.ops.aten.<op_name>`` on these arguments (its peak above the bytes alive before
+    it, less what its outputs hold) and its outputs' shapes (None for an output that is no tensor)."""
     import torch
 
     packet, _, overload = op_name.partition(".")
@@ -76,8 +76,10 @@ def measure(op_name: str, args: list[Any], kwargs: dict[str, Any], tracker: Any)
     tracker.sync()
     peak = tracker.peak
     held = _storage_bytes(out, set(inputs))
-    del out
-    return max(0, peak - before - held)
+    outputs = out if isinstance(out, (tuple, list)) else (out,)
+    shapes = [list(o.shape) if isinstance(o, torch.Tensor) else None for o in outputs]
+    del out, outputs
+    return max(0, peak - before - held), shapes
 
 
 def main(requests: TextIO = sys.stdin) -> int:
@@ -92,7 +94,8 @@ def main(requests: TextIO = sys.stdin) -> int:
             try:
                 request = json.loads(line)
                 args, kwargs = request["args"], request.get("kwargs", {})
-                answer: dict[str, Any] = {"bytes": measure(request["op"], args, kwargs, tracker)}
+                scratch, shapes = measure(request["op"], args, kwargs, tracker)
+                answer: dict[str, Any] = {"bytes": scratch, "shapes": shapes}
             except Exception as error:  # one request's failure is its answer; the next one is measured as usual
                 answer = {"error": f"{type(error).__name__}: {error}"[:300]}
             answers.write(json.dumps(answer) + "\n")
