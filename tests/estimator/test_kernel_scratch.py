@@ -256,3 +256,28 @@ def test_a_forked_child_measures_with_a_process_of_its_own(fresh_worker):
     _, status = os.waitpid(child, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert worker._process is not None and worker._process.pid == parent
+
+
+class _MeanPooled(nn.Module):
+    def __init__(self, pool: bool) -> None:
+        super().__init__()
+        self.linear, self.pool = nn.Linear(32, 64), pool
+
+    def forward(self, x):
+        hidden = self.linear(x)
+        return hidden.mean(1) if self.pool else hidden
+
+
+def test_only_reductions_that_may_sum_a_float32_copy_are_measured(fresh_worker, monkeypatch):
+    worker = fresh_worker()
+    asked = []
+    monkeypatch.setattr(worker, "ask", lambda request: asked.append(request["op"]) or kernel_scratch.KernelMemory(0))
+    batch = (torch.randn(8, 16, 32),)
+    # a Linear's bias gradient is a bfloat16 sum over one dimension: no float32 copy, nothing to measure
+    estimate(_MeanPooled(pool=False), batch, precision="bf16-true")
+    assert asked == []
+    estimate(_MeanPooled(pool=True), batch, precision="bf16-true")
+    assert asked == ["mean.dim"]
+    asked.clear()
+    estimate(_MeanPooled(pool=True), batch, precision="32-true")  # a float32 mean sums its input as it is
+    assert asked == []

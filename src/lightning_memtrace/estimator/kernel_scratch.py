@@ -44,8 +44,8 @@ aten = torch.ops.aten
 
 #: Convolutions: im2col buffers (torch's slow paths), oneDNN's reorders, a reduced-precision bias gradient's fp32 sum.
 _CONVOLUTIONS = frozenset({aten.convolution.default, aten.convolution_backward.default})
-#: Reductions whose CPU kernel sums a ``bfloat16``/``float16`` input in a ``float32`` copy of it (``mean``, a sum over
-#: several dimensions or into another dtype, ``logsumexp``); measured for those dtypes only.
+#: Reductions whose CPU kernel may sum a ``bfloat16``/``float16`` input in a ``float32`` copy of it (``mean``, a sum
+#: over several dimensions or into another dtype, ``logsumexp``): see :func:`_sums_a_copy`.
 _REDUCTIONS = frozenset(
     {aten.mean.dim, aten.mean.default, aten.sum.dim_IntList, aten.sum.default, aten.logsumexp.default}
 )
@@ -225,7 +225,7 @@ class KernelScratch:
     def measured(self, func: Any, args: tuple, kwargs: dict | None) -> KernelMemory | None:
         """What the CPU kernel of ``func`` holds on these arguments, measured once per signature; None where it is
         not measured (noted in :attr:`unmeasured` where it could not be)."""
-        if func in _REDUCTIONS and not (args and isinstance(args[0], Tensor) and args[0].dtype in _REDUCED_PRECISION):
+        if func in _REDUCTIONS and not _sums_a_copy(func, args, kwargs or {}):
             return None
         name = func.__name__
         try:
@@ -250,6 +250,22 @@ class KernelScratch:
         line = f"{name}: {reason}"
         if line not in self.unmeasured:
             self.unmeasured.append(line)
+
+
+def _sums_a_copy(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether a reduction may sum a ``float32`` copy of its input: a ``bfloat16``/``float16`` input to ``mean``,
+    ``logsumexp``, a sum over several dimensions, or a sum into another dtype. A plain sum over one dimension (a
+    bias gradient) or over all of them sums in place, in every layout tried: not measured."""
+    source = args[0] if args else None
+    if not isinstance(source, Tensor) or source.dtype not in _REDUCED_PRECISION:
+        return False
+    if func not in (aten.sum.dim_IntList, aten.sum.default):
+        return True
+    dtype = kwargs.get("dtype")
+    if dtype is not None and dtype != source.dtype:
+        return True
+    dims = args[1] if len(args) > 1 else kwargs.get("dim")
+    return func is aten.sum.dim_IntList and (dims is None or len(dims) > 1)
 
 
 def _sized_as(out: Any, shapes: tuple[tuple[int, ...] | None, ...]) -> Any:
