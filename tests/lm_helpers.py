@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from contextlib import nullcontext
 
 import lightning.pytorch as pl
 import torch
@@ -257,3 +258,27 @@ class PositionLoop(pl.LightningModule):
     def train_dataloader(self):
         data = torch.utils.data.TensorDataset(torch.randn(4 * self.batch, self.positions, 64))
         return torch.utils.data.DataLoader(data, batch_size=self.batch)
+
+
+class OffloadedStack(pl.LightningModule):
+    """A stack of Linear + ReLU layers whose saved tensors go to host memory (``save_on_cpu``) where ``offload``."""
+
+    def __init__(self, offload: bool, pin_memory: bool = True, rows: int = 2048, width: int = 256) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(8))
+        self.offload, self.pin_memory, self.rows, self.width = offload, pin_memory, rows, width
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        offloaded = torch.autograd.graph.save_on_cpu(pin_memory=self.pin_memory) if self.offload else nullcontext()
+        with offloaded:
+            for layer in self.layers:
+                x = torch.relu(layer(x))
+        return x.pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters())
+
+    def train_dataloader(self):
+        data = torch.utils.data.TensorDataset(torch.randn(3 * self.rows, self.width))
+        return torch.utils.data.DataLoader(data, batch_size=self.rows)

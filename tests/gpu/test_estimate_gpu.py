@@ -22,7 +22,7 @@ import json
 import lightning.pytorch as pl
 import pytest
 import torch
-from lm_helpers import PositionLoop, RandomTokens, trainer
+from lm_helpers import OffloadedStack, PositionLoop, RandomTokens, trainer
 from torch.utils.data import DataLoader
 
 from lightning_memtrace import MemTrace, load_phases
@@ -130,3 +130,22 @@ def test_gradients_summed_in_place_on_cuda_are_estimated_so(tmp_path):
     est = estimate_for_module(module, next(iter(module.train_dataloader())), device="cuda", steps=2)
     # the caching allocator rounds each block up to 512 B (the loop's scalars): far below one hidden state
     assert abs(est.peak_bytes - real) < hidden_bytes // 8, (est.peak_bytes, real)
+
+
+def test_save_on_cpu_copies_are_host_memory_in_a_cuda_estimate(tmp_path):
+    """``save_on_cpu`` moves what a step saves for backward to (pinned) host memory; the estimate counted the copies
+    as device memory. What offloading saves on the device, run against estimate (cuBLAS's workspace cancels)."""
+    rows = 8192
+    hidden_bytes = rows * 256 * 4
+    peaks = {}
+    for offload in (False, True):
+        base = _fresh_cuda()
+        trainer(tmp_path, [], accelerator="gpu", devices=1, max_steps=2).fit(OffloadedStack(offload, rows=rows))
+        real = torch.cuda.max_memory_allocated() - base
+        module = OffloadedStack(offload, rows=rows)
+        est = estimate_for_module(module, next(iter(module.train_dataloader())), device="cuda", steps=2)
+        peaks[offload] = (real, est.peak_bytes)
+    real_saving = peaks[False][0] - peaks[True][0]
+    estimated_saving = peaks[False][1] - peaks[True][1]
+    assert real_saving > 4 * hidden_bytes
+    assert abs(real_saving - estimated_saving) < hidden_bytes // 4, peaks

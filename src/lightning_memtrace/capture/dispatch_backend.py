@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from torch import Tensor
@@ -181,6 +181,17 @@ class DispatchBackend:
     def backward_done(self) -> None:
         if self.grad_sums is not None:
             self.grad_sums.detach()
+
+    @contextlib.contextmanager
+    def uncounted(self) -> Iterator[None]:
+        """Operators run inside are not counted (memory of another device, where the estimate emulates a CUDA run:
+        ``save_on_cpu``'s host copies). Where another mode is above this one, they are counted as before."""
+        mode = self._mode
+        if mode is None:
+            yield
+            return
+        with torch_private.dispatch_mode_set_aside(mode):
+            yield
 
     def _refresh_resized(self, tensor: Tensor) -> None:
         if self._mode is not None:

@@ -429,6 +429,19 @@ def drop_dispatch_mode(mode: TorchDispatchMode) -> None:
         _push_mode(other)
 
 
+@contextlib.contextmanager
+def dispatch_mode_set_aside(mode: TorchDispatchMode) -> Iterator[bool]:
+    """While inside, ``mode`` is off this thread's dispatch mode stack if it is on top of it (the modes under it still
+    apply); yields whether it was. Put back on top on the way out."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
+
+    if _get_current_dispatch_mode() is not mode:
+        yield False
+        return
+    with _pop_mode_temporarily():
+        yield True
+
+
 def can_tell_saved_tensors_hooks() -> bool:
     """Whether this torch tells which saved-tensor hooks are in force (before torch 2.8 it cannot)."""
     return _top_saved_tensors_hooks() is not None

@@ -13,6 +13,8 @@ pytorch.org/memory_viz, ``memtrace report``) open them.
 
 from __future__ import annotations
 
+import contextlib
+
 import time
 import weakref
 from collections.abc import Callable, Mapping
@@ -300,6 +302,10 @@ class AllocationTracker:
     def backward_done(self) -> None:
         """After the backward (or at the batch's end where it failed)."""
         self._dispatch.backward_done()
+
+    def uncounted(self) -> contextlib.AbstractContextManager[None]:
+        """Under backend "dispatch": operators run inside are not counted (see :meth:`DispatchBackend.uncounted`)."""
+        return self._dispatch.uncounted()
 
     def count_kernel_scratch(self, rule: KernelScratchRule) -> None:
         """Under backend "dispatch", count at the peak the scratch ``rule`` gives for the operators it covers (memory

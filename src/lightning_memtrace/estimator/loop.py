@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from lightning_memtrace.capture.dispatch_backend import KernelScratchRule
 from lightning_memtrace.capture.recorder import MemoryRecorder
+from lightning_memtrace.estimator.host_offload import host_copies_uncounted
 from lightning_memtrace.capture.ddp_buckets import bucket_tensors
 from lightning_memtrace.estimator.fake import backward_in_function_modes, fake_batch
 from lightning_memtrace.estimator.inputs import Precision
@@ -112,11 +113,13 @@ def run_steps(
     prefetch: bool,
     ddp_buckets: bool = False,
     kernel_scratch: KernelScratchRule | None = None,
+    host_offload: bool = False,
 ) -> list[PhaseRecord]:
     """Lightning's automatic optimization loop, step for step, with MemTrace's recorder taking the rows
     (``ddp_buckets``: with DDP's gradient buckets alive throughout, see
     :mod:`~lightning_memtrace.capture.ddp_buckets`; ``kernel_scratch``: the CPU kernels' scratch, see
-    :mod:`~lightning_memtrace.estimator.kernel_scratch`)."""
+    :mod:`~lightning_memtrace.estimator.kernel_scratch`; ``host_offload``: ``save_on_cpu``'s copies are host memory,
+    not the target's, see :mod:`~lightning_memtrace.estimator.host_offload`)."""
     recorder = meta_recorder(model, optimizer, device, kernel_scratch)
     loop = LightningLoop(model, optimizer, recorder, device, precision, accumulate, lightning, training_step)
     float_dtype = precision.param_dtype
@@ -124,7 +127,8 @@ def run_steps(
     def new_batch() -> Any:
         return fake_batch(batch, mode, device, float_dtype)
 
-    with mode:
+    offload = host_copies_uncounted(recorder.tracker) if host_offload else contextlib.nullcontext()
+    with mode, offload:
         recorder.start()
         try:
             # made when DDP wraps the model, before the first batch; alive for the whole run

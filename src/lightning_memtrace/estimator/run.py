@@ -237,6 +237,7 @@ def _estimate(
                     prefetch,
                     ddp_buckets,
                     scratch,
+                    host_offload=target.type == "cuda",
                 )
             except FiniteCheckNeeded:
                 raise
