@@ -159,7 +159,6 @@ class _Worker:
                 text=True,
                 env=env,
             )
-            atexit.register(self._end)
         return self._process
 
     def after_fork_in_child(self) -> None:
@@ -196,6 +195,7 @@ class _Worker:
 
 
 _WORKER = _Worker()
+atexit.register(lambda: _WORKER._end())
 os.register_at_fork(after_in_child=lambda: _WORKER.after_fork_in_child())
 #: What each signature's kernel held, or why it is not known.
 _REMEMBERED: OrderedDict[str, KernelMemory | str] = OrderedDict()
