@@ -40,6 +40,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_memtrace.capture import fork_guard
+
 aten = torch.ops.aten
 
 #: Convolutions: im2col buffers (torch's slow paths), oneDNN's reorders, a reduced-precision bias gradient's fp32 sum.
@@ -112,6 +114,7 @@ class _Worker:
         self._lock = threading.Lock()
         self._idle_end: threading.Timer | None = None
         self.failure: str | None = None
+        fork_guard.guard(self)
 
     def ask(self, request: dict[str, Any]) -> KernelMemory | str:
         """What was measured for ``request``, or why nothing was."""
@@ -196,7 +199,6 @@ class _Worker:
 
 _WORKER = _Worker()
 atexit.register(lambda: _WORKER._end())
-os.register_at_fork(after_in_child=lambda: _WORKER.after_fork_in_child())
 #: What each signature's kernel held, or why it is not known.
 _REMEMBERED: OrderedDict[str, KernelMemory | str] = OrderedDict()
 
