@@ -22,6 +22,7 @@ from lightning_memtrace.capture.oom_errors import is_out_of_memory
 from lightning_memtrace.capture.storages import PLAIN_TENSORS, layout_parts, memory_tensors, wrapped_tensors
 from lightning_memtrace.types import Frame
 
+
 class KernelScratchRule(Protocol):
     """What a kernel holds that the mode cannot see: bytes inside an operator beyond its outputs, and outputs sized by
     the kernel (set by the estimate, whose fake tensors have no kernels:
@@ -237,7 +238,11 @@ class DispatchBackend:
         the peak above them."""
 
         def with_scratch(*args: Any, **kwargs: Any) -> Any:
-            out, nbytes = rule.after(func, args, kwargs, call(*args, **kwargs))
+            out = call(*args, **kwargs)
+            try:
+                out, nbytes = rule.after(func, args, kwargs, out)
+            except Exception:  # noqa: S110 - the rule's own failure leaves the operator as the mode sees it
+                return out
             if nbytes > 0:
                 self._seen(out)
                 self.state.pass_through(nbytes)

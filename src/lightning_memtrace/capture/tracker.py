@@ -14,7 +14,6 @@ pytorch.org/memory_viz, ``memtrace report``) open them.
 from __future__ import annotations
 
 import contextlib
-
 import time
 import weakref
 from collections.abc import Callable, Mapping
