@@ -15,7 +15,7 @@ from torch import nn
 import lightning.pytorch as pl
 from lightning_memtrace import MemTrace, estimate, load_phases
 from lightning_memtrace.estimator import compare_phase_peaks
-from lightning_memtrace.estimator import kernel_scratch
+from lightning_memtrace.estimator import kernel_scratch, kernel_scratch_worker
 from lm_helpers import trainer
 
 
@@ -144,7 +144,8 @@ def test_the_worker_measures_a_slow_convolutions_im2col_buffer():
         input=lines, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    answers = [json.loads(line) for line in done.stdout.splitlines()]
+    assert all(line.startswith(kernel_scratch_worker.ANSWER_PREFIX) for line in done.stdout.splitlines())
+    answers = [json.loads(line.split(" ", 1)[1]) for line in done.stdout.splitlines()]
     assert len(answers) == 3 and "error" in answers[0] and "error" in answers[1]
     x_real, w_real = torch.zeros(4, 3, 16, 16, dtype=torch.bfloat16), torch.zeros(8, 3, 3, 3, dtype=torch.bfloat16)
     backend = torch._C._select_conv_backend(x_real, w_real, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, None)
@@ -281,3 +282,19 @@ def test_only_reductions_that_may_sum_a_float32_copy_are_measured(fresh_worker, 
     asked.clear()
     estimate(_MeanPooled(pool=True), batch, precision="32-true")  # a float32 mean sums its input as it is
     assert asked == []
+
+
+def test_lines_printed_as_the_process_starts_are_not_answers(fresh_worker, tmp_path):
+    # a startup script (or a .pth file) that prints: its line reaches the answers' stream before fd 1 is set aside
+    script = tmp_path / "chatty.py"
+    script.write_text(
+        "print('hello from a startup script')\n"
+        "import runpy, sys\n"
+        "sys.argv = ['kernel_scratch_worker']\n"
+        "runpy.run_module('lightning_memtrace.estimator.kernel_scratch_worker', run_name='__main__')\n"
+    )
+    fresh_worker((sys.executable, str(script)))
+    model, batch = _conv_bf16()
+    est = estimate(model, batch, precision="bf16-true")
+    assert est.scratch_unmeasured == ()
+    assert all(v.scratch > 0 for v in kernel_scratch._REMEMBERED.values())

@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from lightning_memtrace.capture import fork_guard
+from lightning_memtrace.estimator.kernel_scratch_worker import ANSWER_PREFIX
 
 aten = torch.ops.aten
 
@@ -142,7 +143,15 @@ class _Worker:
 
     def _answer(self, process: subprocess.Popen[str]) -> dict[str, Any]:
         box: list[str] = []
-        reader = threading.Thread(target=lambda: box.append(process.stdout.readline()), daemon=True)  # type: ignore[union-attr]
+
+        def read() -> None:
+            for line in process.stdout:  # type: ignore[union-attr]
+                if line.startswith(ANSWER_PREFIX):
+                    box.append(line[len(ANSWER_PREFIX) :])
+                    return
+            box.append("")
+
+        reader = threading.Thread(target=read, daemon=True)
         reader.start()
         reader.join(MEASURE_TIMEOUT_S)
         if not box or not box[0]:

@@ -2,10 +2,11 @@
 
 Run as ``python -m lightning_memtrace.estimator.kernel_scratch_worker``. It reads one JSON request a line on stdin
 (an operator, its arguments and keyword arguments; tensors as shape, stride and dtype, dtypes as
-``{"torch_dtype": name}``) and answers one JSON line: ``{"bytes": N, "shapes": [...]}``, the most the operator held
-beyond the bytes alive before it and its outputs, as the allocator reported it, and its outputs' shapes; or
-``{"error": "..."}``. Its own process, because a training process may already run the one profiler session there can
-be (MemTrace's own, in a fit with ``estimate=True``), and the real tensors made here must stay out of that run's rows.
+``{"torch_dtype": name}``) and answers one line, :data:`ANSWER_PREFIX` then JSON: ``{"bytes": N, "shapes": [...]}``,
+the most the operator held beyond the bytes alive before it and its outputs, as the allocator reported it, and its
+outputs' shapes; or ``{"error": "..."}``. Its own process, because a training process may already run the one
+profiler session there can be (MemTrace's own, in a fit with ``estimate=True``), and the real tensors made here must
+stay out of that run's rows.
 """
 
 from __future__ import annotations
@@ -14,6 +15,11 @@ import json
 import os
 import sys
 from typing import Any, TextIO
+
+
+#: Starts each answer line: what else reaches the stream (a ``.pth`` file or a startup script printing as Python
+#: starts, before fd 1 is set aside) is not an answer.
+ANSWER_PREFIX = "memtrace-kernel-memory "
 
 
 def _answers_stream() -> TextIO:
@@ -98,7 +104,7 @@ def main(requests: TextIO = sys.stdin) -> int:
                 answer: dict[str, Any] = {"bytes": scratch, "shapes": shapes}
             except Exception as error:  # one request's failure is its answer; the next one is measured as usual
                 answer = {"error": f"{type(error).__name__}: {error}"[:300]}
-            answers.write(json.dumps(answer) + "\n")
+            answers.write(ANSWER_PREFIX + json.dumps(answer) + "\n")
     return 0
 
 
