@@ -51,37 +51,25 @@ def _decoded(value: Any) -> Any:
     return value
 
 
-def _storage_bytes(value: Any, seen: set[int]) -> int:
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        storage = value.untyped_storage()
-        if storage.data_ptr() in seen:
-            return 0
-        seen.add(storage.data_ptr())
-        return storage.nbytes()
-    if isinstance(value, (list, tuple)):
-        return sum(_storage_bytes(v, seen) for v in value)
-    return 0
-
-
 def measure(op_name: str, args: list[Any], kwargs: dict[str, Any], tracker: Any) -> tuple[int, list[Any]]:
     """The scratch bytes of ``torch.ops.aten.<op_name>`` on these arguments (its peak above the bytes alive before
     it, less what its outputs hold) and its outputs' shapes (None for an output that is no tensor)."""
     import torch
 
+    from lightning_memtrace.capture.storages import iter_tensors, unique_storages
+
     packet, _, overload = op_name.partition(".")
     op = getattr(getattr(torch.ops.aten, packet), overload or "default")
     real_args = [_decoded(a) for a in args]
     real_kwargs = {k: _decoded(v) for k, v in kwargs.items()}
-    inputs = {t.untyped_storage().data_ptr() for t in real_args if isinstance(t, torch.Tensor)}
+    inputs = unique_storages(iter_tensors(real_args))
     tracker.sync()
     before = tracker.allocated
     tracker.reset_peak()
     out = op(*real_args, **real_kwargs)
     tracker.sync()
     peak = tracker.peak
-    held = _storage_bytes(out, set(inputs))
+    held = sum(s.nbytes() for key, s in unique_storages(iter_tensors(out)).items() if key not in inputs)
     outputs = out if isinstance(out, (tuple, list)) else (out,)
     shapes = [list(o.shape) if isinstance(o, torch.Tensor) else None for o in outputs]
     del out, outputs
