@@ -240,13 +240,14 @@ class KernelScratch:
             return None
         name = func.__name__
         try:
-            key = json.dumps([name, _spec(list(args)), _spec(dict(kwargs or {}))])
+            request = {"op": name, "args": _spec(list(args)), "kwargs": _spec(dict(kwargs or {}))}
         except TypeError as error:
             self._unmeasured(name, str(error))
             return None
+        key = json.dumps(request)
         known = _REMEMBERED.get(key)
         if known is None:
-            known = _measured(func, args, kwargs or {})
+            known = _measured(func, args, request)
             _REMEMBERED[key] = known
             if len(_REMEMBERED) > MAX_REMEMBERED:
                 _REMEMBERED.popitem(last=False)
@@ -289,14 +290,14 @@ def _sized_as(out: Any, shapes: tuple[tuple[int, ...] | None, ...]) -> Any:
     )
 
 
-def _measured(func: Any, args: tuple, kwargs: dict) -> KernelMemory | str:
-    """What the operator's kernel holds on these arguments, measured at their size where it is at most
-    :data:`MAX_MEASURED_BYTES` of tensors; above that (the scratch only, not an output sized by the kernel), at two
-    smaller batches and carried on in a straight line to this one (scratch grows with the batch: im2col and reorder
-    buffers are per sample). Or why there is nothing."""
+def _measured(func: Any, args: tuple, request: dict[str, Any]) -> KernelMemory | str:
+    """What the operator's kernel holds on these arguments (``request``: them as the worker rebuilds them), measured
+    at their size where it is at most :data:`MAX_MEASURED_BYTES` of tensors; above that (the scratch only, not an
+    output sized by the kernel), at two smaller batches and carried on in a straight line to this one (scratch grows
+    with the batch: im2col and reorder buffers are per sample). Or why there is nothing."""
     size = _tensor_bytes(args)
     if size <= MAX_MEASURED_BYTES:
-        return _asked(func, args, kwargs, None)
+        return _WORKER.ask(request)
     if func in _KERNEL_SIZED_OUTPUTS:
         return f"{size:,} B of tensors, over the {MAX_MEASURED_BYTES:,} B measured (its output sized by the kernel)"
     batched = _BATCH_ARGS.get(func, (0,))
@@ -305,7 +306,7 @@ def _measured(func: Any, args: tuple, kwargs: dict) -> KernelMemory | str:
     if larger < 2:
         return f"{size:,} B of tensors, over the {MAX_MEASURED_BYTES:,} B measured even at a batch of 2"
     smaller = larger // 2
-    answers = [_asked(func, args, kwargs, (n, batched)) for n in (smaller, larger)]
+    answers = [_asked_at_batch(request, n, batched) for n in (smaller, larger)]
     if isinstance(answers[0], str):
         return answers[0]
     if isinstance(answers[1], str):
@@ -314,18 +315,15 @@ def _measured(func: Any, args: tuple, kwargs: dict) -> KernelMemory | str:
     return KernelMemory(max(0, round(answers[1].scratch + slope * (batch - larger))))
 
 
-def _asked(func: Any, args: tuple, kwargs: dict, rebatched: tuple[int, tuple[int, ...]] | None) -> KernelMemory | str:
-    """Ask the worker about ``func`` on these arguments, with the batch dimension of the arguments at the given
-    positions set to ``n`` (``rebatched = (n, positions)``) where given."""
-    spec_args = _spec(list(args))
-    if rebatched is not None:
-        n, positions = rebatched
-        for position in positions:
-            resized = _rebatched(spec_args[position], n)
-            if resized is None:
-                return "an argument that is not dense could not be measured at a smaller batch"
-            spec_args[position] = resized
-    return _WORKER.ask({"op": func.__name__, "args": spec_args, "kwargs": _spec(kwargs)})
+def _asked_at_batch(request: dict[str, Any], n: int, positions: tuple[int, ...]) -> KernelMemory | str:
+    """Ask the worker about ``request`` with the batch dimension of the arguments at ``positions`` set to ``n``."""
+    spec_args = list(request["args"])
+    for position in positions:
+        resized = _rebatched(spec_args[position], n)
+        if resized is None:
+            return "an argument that is not dense could not be measured at a smaller batch"
+        spec_args[position] = resized
+    return _WORKER.ask({**request, "args": spec_args})
 
 
 def _rebatched(spec: dict[str, Any], n: int) -> dict[str, Any] | None:
