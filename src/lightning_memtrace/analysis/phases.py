@@ -70,6 +70,22 @@ def load_phases(path_or_log_dir: str | os.PathLike) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True)
 
 
+def runs_in(phases: pd.DataFrame | None) -> list[set[str]]:
+    """The runs of a phases table (a folder's), oldest first, each as the run ids its ranks wrote.
+
+    Each rank's file holds its runs one after the other; the k-th run of every rank is one run, whether the ranks
+    shared an id (the callback broadcasts it) or not (plain loops, one recorder per rank).
+    """
+    if phases is None or phases.empty:
+        return []
+    per_rank: list[list[str]] = []
+    for _, rows in phases.groupby("rank", sort=True):
+        firsts = rows.groupby("run", sort=False)["time_s"].min().sort_values()
+        per_rank.append([str(run) for run in firsts.index])
+    count = max(len(runs) for runs in per_rank)
+    return [{runs[k] for runs in per_rank if k < len(runs)} for k in range(count)]
+
+
 def phase_peaks_table(phases: pd.DataFrame, max_steps: int = 60) -> pd.DataFrame:
     """Per-step, per-phase peak bytes (max over ranks) from MemTrace's phases table, phases in table order; at most
     ``max_steps`` steps (those with the highest peaks, in step order)."""

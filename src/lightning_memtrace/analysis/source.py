@@ -20,7 +20,7 @@ import pandas as pd
 
 from lightning_memtrace.analysis.loader import DEFAULT_MAX_BYTES, SnapshotError, load_snapshot
 from lightning_memtrace.analysis.model import Replay
-from lightning_memtrace.analysis.phases import load_phases
+from lightning_memtrace.analysis.phases import load_phases, runs_in
 from lightning_memtrace.analysis.replay import replay
 from lightning_memtrace.analysis.rules import CategoryRules, RulesLike
 from lightning_memtrace.files import MEMTRACE_DIR, PHASES_GLOB, SNAPSHOT_PATTERNS, is_oom_file, matching_files, rank_of
@@ -150,22 +150,6 @@ def _load_file(
     return LoadedSnapshot(file, replay(snap, source=file.name, rules=rules), rank_of(file.name), kind, text)
 
 
-def _runs_in(phases: pd.DataFrame | None) -> list[set[str]]:
-    """The folder's runs, oldest first, each as the run ids its ranks wrote.
-
-    Each rank's file holds its runs one after the other; the k-th run of every rank is one run, whether the ranks
-    shared an id (the callback broadcasts it) or not (plain loops, one recorder per rank).
-    """
-    if phases is None or phases.empty:
-        return []
-    per_rank: list[list[str]] = []
-    for _, rows in phases.groupby("rank", sort=True):
-        firsts = rows.groupby("run", sort=False)["time_s"].min().sort_values()
-        per_rank.append([str(run) for run in firsts.index])
-    count = max(len(runs) for runs in per_rank)
-    return [{runs[k] for runs in per_rank if k < len(runs)} for k in range(count)]
-
-
 def _folder_sources(
     folder: Path,
     label: str,
@@ -180,7 +164,7 @@ def _folder_sources(
         if not snapshots:
             raise SnapshotError(f"{folder}: its phases CSV has no complete row (a field missing or not a number)")
         phases = None
-    runs = _runs_in(phases)
+    runs = runs_in(phases)
     if len(runs) <= 1:
         return [ReportSource(folder, snapshots, phases, min(runs[0]) if runs else "", label)]
     assert phases is not None

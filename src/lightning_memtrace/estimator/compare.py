@@ -18,16 +18,15 @@ COMPARISON_FILENAME = "estimate_vs_measured_rank{rank}.csv"
 
 def _training_rows(phases: Any, run: str | None = None) -> Any:
     """The rows of training phases (validation rows left out) of one run: ``run``, or where the table holds several
-    (fits into one folder append to its CSV), the newest (the one whose first row is latest)."""
+    (fits into one folder append to its CSV), the newest, as the report tells runs apart (:func:`runs_in`)."""
+    from lightning_memtrace.analysis.phases import runs_in
+
     rows = phases[phases["phase"].astype(str).isin([p.value for p in TRAIN_PHASES])]
     if "run" not in rows.columns or rows.empty:
         return rows
     runs = rows["run"].astype(str)
-    if run is None:
-        if runs.nunique() <= 1:
-            return rows
-        run = str(rows.groupby(runs)["time_s"].min().idxmax())
-    return rows[runs == str(run)]
+    ids = {str(run)} if run is not None else runs_in(rows)[-1]
+    return rows[runs.isin(ids)]
 
 
 def _compared(est: Any, measured: Any, name: str, column: str, phase: Phase | str | None) -> dict[str, Any]:
