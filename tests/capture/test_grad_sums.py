@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from lightning_memtrace import MemTrace, load_phases
-from lightning_memtrace.capture.grad_sums import GradSums, dense, graph_nodes, summing_nodes
+from lightning_memtrace.capture.grad_sums import GradSums, graph_nodes, summing_nodes
+from lightning_memtrace.capture.storages import dense
 from lightning_memtrace.capture.tracker import AllocationTracker
 from lm_helpers import PositionLoop, trainer
 

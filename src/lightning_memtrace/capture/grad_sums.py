@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from lightning_memtrace.capture import torch_private
+from lightning_memtrace.capture.storages import dense
 
 #: The engine's out-of-place sum, and the in-place one it makes where it holds the last reference.
 SUM = torch.ops.aten.add.Tensor
@@ -33,16 +34,6 @@ SUM_IN_PLACE = torch.ops.aten.add_.Tensor
 
 # (tensor type) -> the reference counts of a buffer the engine alone holds, seen from the top mode; None: unknown
 _LAST_REFERENCE: dict[type, tuple[int, int, int] | None] = {}
-
-
-def dense(tensor: Tensor) -> bool:
-    """Whether the elements fill their span of the storage without gaps or overlaps, in any order of dimensions."""
-    expected = 1
-    for stride, size in sorted((st, si) for si, st in zip(tensor.shape, tensor.stride()) if si != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 def graph_nodes(root: Tensor) -> list[Any]:

@@ -186,6 +186,22 @@ def unique_storage_bytes(tensors: Iterable[Tensor], device: torch.device | None 
     return sum(st.nbytes() for st in unique_storages(tensors, device).values())
 
 
+def dense_layout(shape: Iterable[int], stride: Iterable[int]) -> bool:
+    """Whether elements of this shape and stride fill their span of the storage without gaps or overlaps, in any order
+    of dimensions (contiguous, channels-last, transposed)."""
+    expected = 1
+    for step, size in sorted((st, si) for si, st in zip(shape, stride) if si != 1):
+        if step != expected:
+            return False
+        expected *= size
+    return True
+
+
+def dense(tensor: Tensor) -> bool:
+    """:func:`dense_layout` of a tensor."""
+    return dense_layout(tensor.shape, tensor.stride())
+
+
 def same_device(a: torch.device, b: torch.device) -> bool:
     if a.type != b.type:
         return False

@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from lightning_memtrace.capture import fork_guard
+from lightning_memtrace.capture.storages import dense_layout
 from lightning_memtrace.estimator.kernel_scratch_worker import ANSWER_PREFIX
 
 aten = torch.ops.aten
@@ -330,12 +331,9 @@ def _rebatched(spec: dict[str, Any], n: int) -> dict[str, Any] | None:
     """A dense tensor's spec with ``n`` rows in dimension 0, its dimensions laid out in the same order (contiguous,
     channels-last, any permutation); None for a tensor with gaps or overlaps."""
     shape, stride = list(spec["shape"]), list(spec["stride"])
+    if not dense_layout(shape, stride):
+        return None
     order = sorted(range(len(shape)), key=lambda d: (stride[d], shape[d]))  # innermost first
-    expected = 1
-    for d in order:
-        if shape[d] != 1 and stride[d] != expected:
-            return None
-        expected *= shape[d]
     shape[0] = n
     step = 1
     for d in order:
