@@ -27,7 +27,8 @@ def test_offloaded_activations_leave_a_cuda_targets_memory(pin_memory):
     # Each Linear saves its input and each ReLU its output (the next Linear's input): the batch and 7 outputs, and
     # the last output, which the loss's pow saves outside save_on_cpu. Offloaded, only that last one stays.
     assert plain_row.activations_bytes == LAYERS * HIDDEN
-    assert offloaded_row.activations_bytes == HIDDEN and offloaded_row.other_bytes < 64
+    assert offloaded_row.activations_bytes == HIDDEN
+    assert offloaded_row.other_bytes - offloaded.blas_workspace_bytes < 64  # no host copy left in other
     assert plain_row.allocated_bytes - offloaded_row.allocated_bytes == (LAYERS - 1) * HIDDEN
     # backward brings each saved tensor back to the device as it needs it: far below the plain step's peak (16 layer
     # outputs and the parameters' bytes there, 9 offloaded)
@@ -44,5 +45,5 @@ def test_on_a_cpu_target_the_copies_are_the_runs_own_memory(tmp_path):
     peaks = compare_phase_peaks(callback.estimated, load_phases(callback.output_dir))
     assert len(peaks) == 15
     assert (peaks.peak_bytes_estimated - peaks.peak_bytes_measured).abs().max() <= 256, peaks
-    assert callback.estimated.peak_bytes > estimate_for_module(module, next(iter(module.train_dataloader())),
-                                                               device="cuda").peak_bytes + 4 * HIDDEN
+    cuda = estimate_for_module(module, next(iter(module.train_dataloader())), device="cuda")
+    assert callback.estimated.peak_bytes > cuda.peak_bytes - cuda.blas_workspace_bytes + 4 * HIDDEN

@@ -71,13 +71,14 @@ def test_a_cnns_estimate_meets_its_run_at_every_phase(tmp_path, net, precision):
     # the run's rows hold a few dozen bytes the step does not (Lightning's own scalars); the kernels' scratch is MiBs
     assert (peaks.peak_bytes_estimated - peaks.peak_bytes_measured).abs().max() <= 256, peaks
 
-    # Without the kernels' scratch the same estimate is far below the run at its peak (what it was before).
+    # Without the kernels' scratch the same estimate is below the run at its peak (what it was before): by 2-17 % on
+    # the CPUs tried, as the kernels torch picks there (a CPU with native bfloat16 convolutions unfolds nothing).
     without = estimate(module, next(iter(module.train_dataloader())), precision=precision, steps=3)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(kernel_scratch.KernelScratch, "covers", staticmethod(lambda func: False))
         bare = estimate(module, next(iter(module.train_dataloader())), precision=precision, steps=3)
     assert without.peak_bytes == est.peak_bytes
-    assert bare.peak_bytes < 0.95 * est.peak_bytes
+    assert peaks.peak_bytes_measured.max() - bare.peak_bytes > 256
 
 
 class LstmTagger(pl.LightningModule):

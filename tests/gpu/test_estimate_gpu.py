@@ -3,8 +3,8 @@
 Skipped without CUDA. The estimate counts what PyTorch allocates through its caching allocator, as
 ``torch.cuda.max_memory_allocated`` does; the gap between the two is made of:
 
-- cuBLAS workspaces (allocated through the caching allocator, per handle and stream: a few MiB), which fake tensors
-  never ask for;
+- cuBLAS workspaces (allocated through the caching allocator, per thread and stream): estimated, one for the
+  forward's thread and one for the backward's (:mod:`lightning_memtrace.estimator.blas_workspace`), checked below;
 - the caching allocator's rounding (blocks of 512 B, 2 MiB segments for large blocks; ``max_memory_allocated`` counts
   rounded blocks, the estimate exact storage sizes);
 - kernels that allocate workspaces of their own (cuDNN, fused or flash/memory-efficient attention: the reference
@@ -149,3 +149,32 @@ def test_save_on_cpu_copies_are_host_memory_in_a_cuda_estimate(tmp_path):
     estimated_saving = peaks[False][1] - peaks[True][1]
     assert real_saving > 4 * hidden_bytes
     assert abs(real_saving - estimated_saving) < hidden_bytes // 4, peaks
+
+
+def test_a_cuda_step_holds_the_estimates_cublas_workspaces():
+    from torch import nn
+
+    from lightning_memtrace.estimator import estimate
+
+    def make() -> nn.Module:
+        return nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256))
+
+    def step(model, batch):
+        return torch.nn.functional.mse_loss(model(batch[0]), batch[1])
+
+    batch = (torch.randn(64, 256), torch.randn(64, 256))
+    expected = estimate(make(), batch, training_step=step, device="cuda").blas_workspace_bytes
+    assert expected == 2 * torch.backends.cuda.cublas_workspace_size()
+    gc.collect()
+    torch._C._cuda_clearCublasWorkspaces()  # as a fresh process: no workspace yet
+    cuda_batch = tuple(t.cuda() for t in batch)
+    before = torch.cuda.memory_allocated()
+    model = make().cuda()
+    optimizer = torch.optim.AdamW(model.parameters())
+    for _ in range(2):
+        optimizer.zero_grad(set_to_none=True)
+        step(model, cuda_batch).backward()
+        optimizer.step()
+    # every tensor here is a multiple of the allocator's 512 B blocks; AdamW's step counters stay on the host
+    state = sum(p.numel() * 4 for p in model.parameters()) * 4  # parameters, gradients, exp_avg, exp_avg_sq
+    assert torch.cuda.memory_allocated() - before - state == expected

@@ -24,14 +24,15 @@ from lightning_memtrace.types import Frame
 
 
 class KernelScratchRule(Protocol):
-    """What a kernel holds that the mode cannot see: bytes inside an operator beyond its outputs, and outputs sized by
-    the kernel (set by the estimate, whose fake tensors have no kernels:
-    :mod:`lightning_memtrace.estimator.kernel_scratch`)."""
+    """What a kernel holds that the mode cannot see: bytes inside an operator beyond its outputs, outputs sized by the
+    kernel, and buffers its library keeps from then on (set by the estimate, whose fake tensors have no kernels:
+    :mod:`lightning_memtrace.estimator.kernel_scratch`, :mod:`lightning_memtrace.estimator.blas_workspace`)."""
 
     def covers(self, func: Any) -> bool: ...
 
-    def after(self, func: Any, args: tuple, kwargs: dict | None, out: Any) -> tuple[Any, int]:
-        """The operator's outputs as the kernel sizes them, and its scratch bytes beyond them."""
+    def after(self, func: Any, args: tuple, kwargs: dict | None, out: Any) -> tuple[Any, int, tuple[Tensor, ...]]:
+        """The operator's outputs as the kernel sizes them, its scratch bytes beyond them, and the buffers its library
+        made on this call and keeps (counted as new memory)."""
         ...
 
 
@@ -240,9 +241,11 @@ class DispatchBackend:
         def with_scratch(*args: Any, **kwargs: Any) -> Any:
             out = call(*args, **kwargs)
             try:
-                out, nbytes = rule.after(func, args, kwargs, out)
+                out, nbytes, kept = rule.after(func, args, kwargs, out)
             except Exception:  # noqa: S110 - the rule's own failure leaves the operator as the mode sees it
                 return out
+            for buffer in kept:
+                self._track_memory_of(buffer)
             if nbytes > 0:
                 self._seen(out)
                 self.state.pass_through(nbytes)

@@ -492,6 +492,34 @@ def queue_backward_callback(callback: Callable[[], None]) -> bool:
         return False
 
 
+def in_backward() -> bool:
+    """Whether this thread runs autograd's backward now (a CUDA backward runs on autograd's own device thread)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def cuda_workspace_size() -> int | None:
+    """The bytes of cuBLAS workspace this process's CUDA products get (torch 2.12 and newer, with CUDA initialised
+    here), or None."""
+    size = getattr(torch._C, "_cuda_getCublasWorkspaceSize", None)
+    if size is None or not torch.cuda.is_initialized():
+        return None
+    try:
+        return int(size())
+    except Exception:  # a build or state where torch cannot say
+        return None
+
+
+def cuda_capability(device: torch.device) -> tuple[int, int] | None:
+    """The compute capability of ``device`` where a GPU is visible (None where not, or where CUDA cannot start here,
+    as in a child forked after it started)."""
+    try:
+        if not torch.cuda.is_available():
+            return None
+        return tuple(torch.cuda.get_device_capability(device.index if device.type == "cuda" else None))  # type: ignore[return-value]
+    except Exception:
+        return None
+
+
 def cuda_oom_observer_attacher() -> Callable[[Callable[..., None]], None] | None:
     """``torch._C._cuda_attach_out_of_memory_observer`` where this torch has it and CUDA is available."""
     attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)

@@ -224,15 +224,15 @@ class KernelScratch:
     def covers(func: Any) -> bool:
         return func in SCRATCH_OPS
 
-    def after(self, func: Any, args: tuple, kwargs: dict | None, out: Any) -> tuple[Any, int]:
+    def after(self, func: Any, args: tuple, kwargs: dict | None, out: Any) -> tuple[Any, int, tuple[Tensor, ...]]:
         """``func``'s outputs ``out`` as the CPU kernel sizes them, and the bytes it holds beyond them at its peak (0
-        where not measured)."""
+        where not measured); a CPU kernel keeps no buffer."""
         memory = self.measured(func, args, kwargs)
         if memory is None:
-            return out, 0
+            return out, 0, ()
         if func in _KERNEL_SIZED_OUTPUTS and memory.output_shapes is not None:
             out = _sized_as(out, memory.output_shapes)
-        return out, memory.scratch
+        return out, memory.scratch, ()
 
     def measured(self, func: Any, args: tuple, kwargs: dict | None) -> KernelMemory | None:
         """What the CPU kernel of ``func`` holds on these arguments, measured once per signature; None where it is

@@ -46,6 +46,9 @@ class Estimate:
         scratch_unmeasured: Operators whose CPU kernel's scratch (a convolution's im2col or reorder buffers, see
             :mod:`~lightning_memtrace.estimator.kernel_scratch`) could not be measured, each with why
             (``"convolution.default: ..."``): the peak may be higher by their scratch. Empty where every one was.
+        blas_workspace_bytes: Bytes of the cuBLAS workspaces a CUDA run keeps from its first products on, one for the
+            forward's thread and one for the backward's (``other`` in the rows; see
+            :mod:`~lightning_memtrace.estimator.blas_workspace`); 0 for a CPU target.
     """
 
     records: tuple[PhaseRecord, ...]
@@ -67,6 +70,7 @@ class Estimate:
     sparse_gradients: bool = False
     ddp_bucket_bytes: int = 0
     scratch_unmeasured: tuple[str, ...] = ()
+    blas_workspace_bytes: int = 0
 
     def __repr__(self) -> str:
         """One line, as :meth:`describe` with the peak (the rows are in ``records``, the table in :meth:`table`)."""
@@ -142,6 +146,7 @@ class Estimate:
             "sparse_gradients": self.sparse_gradients,
             "ddp_bucket_bytes": self.ddp_bucket_bytes,
             "scratch_unmeasured": list(self.scratch_unmeasured),
+            "blas_workspace_bytes": self.blas_workspace_bytes,
             "peak_bytes": self.peak_bytes,
             "phase_peaks": {p.value: v for p, v in self.phase_peaks().items()},
             "categories": {c.value: v for c, v in self.category_bytes().items()},
@@ -194,6 +199,8 @@ class Estimate:
         if self.ddp_bucket_bytes:
             buckets = format_bytes(self.ddp_bucket_bytes)
             parts.append(f"DDP with gradient buckets of {buckets} (gradient_as_bucket_view=False)")
+        if self.blas_workspace_bytes:
+            parts.append(f"cuBLAS workspaces {format_bytes(self.blas_workspace_bytes)} (in other)")
         if self.compiled:
             parts.append("compiled module estimated eagerly (a compiled graph may save less)")
         if self.sparse_gradients:

@@ -37,6 +37,7 @@ from lightning_memtrace.estimator.fake import (
     value_dependent_errors,
 )
 from lightning_memtrace.estimator.inputs import Precision, batch_dims
+from lightning_memtrace.estimator.blas_workspace import CublasWorkspaces, workspace_bytes
 from lightning_memtrace.estimator.kernel_scratch import KernelScratch
 from lightning_memtrace.capture.ddp_buckets import bucket_bytes
 from lightning_memtrace.estimator.grouped_mm import grouped_mm_in_every_dtype
@@ -215,6 +216,7 @@ def _estimate(
         optimizer = _build_optimizer(model, module, mode, target, optimizer_factory, lightning)
         prefetch = prefetch and not emulate_cuda and fake_device.type == "cpu"
         scratch = KernelScratch() if target.type == "cpu" else None
+        workspaces = CublasWorkspaces(workspace_bytes(target)) if target.type == "cuda" else None
         with (
             sdpa_watched(cuda_stand_in=emulate_cuda) as kernels,
             answered_as_the_batch(batch),
@@ -236,7 +238,7 @@ def _estimate(
                     training_step,
                     prefetch,
                     ddp_buckets,
-                    scratch,
+                    scratch or workspaces,
                     host_offload=target.type == "cuda",
                 )
             except FiniteCheckNeeded:
@@ -272,6 +274,7 @@ def _estimate(
         sparse_gradients=_has_sparse_gradients(model),
         ddp_bucket_bytes=bucket_bytes(model) if ddp_buckets else 0,
         scratch_unmeasured=tuple(scratch.unmeasured) if scratch is not None else (),
+        blas_workspace_bytes=workspaces.held_bytes if workspaces is not None else 0,
     )
 
 

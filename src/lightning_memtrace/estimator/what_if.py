@@ -9,8 +9,9 @@ are closed forms over the measured categories of each row:
   the parameters of the largest repeated block gathered whole while it runs; activations unchanged;
 - ``optimizer_offload``: the optimizer state lives on the host (0 on the device).
 
-A prediction fits when ``peak + headroom <= device memory``, the headroom being :data:`HEADROOM_BYTES` (CUDA
-context, cuBLAS workspace) plus :data:`HEADROOM_FRACTION` of the device (allocator fragmentation).
+A prediction fits when ``peak + headroom <= device memory``, the headroom being :data:`HEADROOM_BYTES` (the CUDA
+context and what else the allocator does not count) plus :data:`HEADROOM_FRACTION` of the device (allocator
+fragmentation); cuBLAS's workspaces are in the peak (:mod:`.blas_workspace`).
 
 With a ``deadline`` (``time.monotonic()`` seconds), no estimate starts that the longest one so far says would end past
 it: the remedies not reached are listed in :attr:`WhatIf.not_estimated`, and the combination search stops.
@@ -35,7 +36,7 @@ from lightning_memtrace.estimator.search import find_max_batch
 from lightning_memtrace.types import Category
 from lightning_memtrace.units import GIB, format_bytes
 
-#: Fixed headroom kept free on the device: the CUDA context and cuBLAS workspace.
+#: Fixed headroom kept free on the device: the CUDA context and what else the allocator does not count.
 HEADROOM_BYTES = 1 * GIB
 #: Headroom as a share of the device memory: fragmentation of the caching allocator.
 HEADROOM_FRACTION = 0.05
