@@ -2,8 +2,9 @@
 
 Where the target is CUDA and this machine has no CUDA, the steps run on fake CPU tensors with CUDA's defaults emulated
 (foreach optimizers, ``step`` tensors on the host, not counted; SDPA on a fused kernel, CPU's flash kernel standing in
-for CUDA's flash or memory-efficient one: see :mod:`~lightning_memtrace.estimator.attention`); autocast then uses
-CPU's op lists.
+for CUDA's flash or memory-efficient one: see :mod:`~lightning_memtrace.estimator.attention`), autocast on CUDA's op
+lists (:mod:`~lightning_memtrace.estimator.cuda_autocast`). A CUDA target's estimate holds cuBLAS's workspaces
+(:mod:`~lightning_memtrace.estimator.blas_workspace`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from lightning_memtrace.estimator.fake import (
 )
 from lightning_memtrace.estimator.inputs import Precision, batch_dims
 from lightning_memtrace.estimator.blas_workspace import CublasWorkspaces, workspace_bytes
+from lightning_memtrace.estimator.cuda_autocast import cuda_autocast_policy
 from lightning_memtrace.estimator.kernel_scratch import KernelScratch
 from lightning_memtrace.capture.ddp_buckets import bucket_bytes
 from lightning_memtrace.estimator.grouped_mm import grouped_mm_in_every_dtype
@@ -100,7 +102,7 @@ def estimate(
             For ``cuda`` on a machine without CUDA, fake CPU tensors stand in: the optimizer uses foreach kernels
             (CUDA's default), Adam's ``step`` scalars are left out (host memory on CUDA), SDPA runs on CPU's flash
             kernel without dropout (the saved tensors of CUDA's flash or memory-efficient kernel: output and fp32
-            logsumexp, no ``B·H·L²`` probabilities) and autocast follows CPU's op lists. The kernel assumed is
+            logsumexp, no ``B·H·L²`` probabilities) and autocast follows CUDA's op lists. The kernel assumed is
             stated in :attr:`Estimate.attention`.
         steps: Optimizer steps to run (at least 2: the second is the steady state).
         copy_module: Copy the module onto fake tensors (False: replace the module's own tensors; only for modules
@@ -217,7 +219,9 @@ def _estimate(
         prefetch = prefetch and not emulate_cuda and fake_device.type == "cpu"
         scratch = KernelScratch() if target.type == "cpu" else None
         workspaces = CublasWorkspaces(workspace_bytes(target)) if target.type == "cuda" else None
+        cuda_autocast = emulate_cuda and precision.autocast_dtype is not None
         with (
+            cuda_autocast_policy() if cuda_autocast else contextlib.nullcontext(),
             sdpa_watched(cuda_stand_in=emulate_cuda) as kernels,
             answered_as_the_batch(batch),
             no_layer_dropped(),
