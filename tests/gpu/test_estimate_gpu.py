@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import gc
 import json
+import os
+import subprocess
+import sys
 
 import lightning.pytorch as pl
 import pytest
@@ -60,6 +63,7 @@ class ConfigLM(pl.LightningModule):
 
 def _fresh_cuda() -> int:
     gc.collect()
+    torch._C._cuda_clearCublasWorkspaces()  # as in a fresh process: the run makes its own (and the estimate holds them)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     return torch.cuda.memory_allocated()
@@ -178,3 +182,25 @@ def test_a_cuda_step_holds_the_estimates_cublas_workspaces():
     # every tensor here is a multiple of the allocator's 512 B blocks; AdamW's step counters stay on the host
     state = sum(p.numel() * 4 for p in model.parameters()) * 4  # parameters, gradients, exp_avg, exp_avg_sq
     assert torch.cuda.memory_allocated() - before - state == expected
+
+
+@pytest.mark.parametrize("attention", ["eager", None])
+def test_the_estimate_a_machine_without_a_gpu_makes_meets_the_gpu_run(tmp_path, attention):
+    """The estimate a laptop makes for this GPU (no CUDA visible: CPU tensors stand in, CUDA's autocast op lists, this
+    GPU's cuBLAS workspace size given as CUBLAS_WORKSPACE_CONFIG) against a plain bf16-mixed run here."""
+    size = torch.backends.cuda.cublas_workspace_size()
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "CUBLAS_WORKSPACE_CONFIG": f":{size // 1024}:1"}
+    code = (
+        "import sys; from lightning_memtrace.estimator import estimate_from_config; "
+        f"e = estimate_from_config({str(GPT2)!r}, {BATCH}, {SEQ}, precision='bf16-mixed', device='cuda', steps=3, "
+        f"attn_implementation={attention!r}); print(e.peak_bytes, e.blas_workspace_bytes)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    laptop, workspaces = map(int, done.stdout.split()[-2:])
+    assert workspaces == 2 * size
+    peak = _max_memory_allocated(tmp_path, "bf16-mixed", attention)
+    error = (laptop - peak) / peak
+    print(json.dumps({"attention": attention, "laptop_estimate": laptop, "max_memory_allocated": peak,
+                      "error_percent": 100 * error}))
+    assert abs(error) <= 0.05

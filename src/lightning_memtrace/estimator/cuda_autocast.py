@@ -2,15 +2,17 @@
 
 Where the target is CUDA and this machine has none, the estimate's steps run on fake CPU tensors, and ``torch.autocast``
 then follows CPU's op lists. They differ from CUDA's: CUDA computes ``softmax``, ``log_softmax``, ``layer_norm``,
-``group_norm``, ``rms_norm``, ``exp``, ``pow``, ``rsqrt``, ``sum``, ``cumsum``, norms and more in ``float32`` where CPU
-keeps ``bfloat16``/``float16``, and runs ``mv``/``addmv``/``addr`` and the RNN cells in the lower precision where CPU
-keeps ``float32``. A step that applies ``F.softmax`` to reduced-precision attention scores, say, saves ``float32``
-probabilities on CUDA: twice the bytes CPU's lists give.
+``group_norm``, ``rms_norm``, ``exp``, ``pow``, ``rsqrt``, ``sum``, ``cumsum``, norms, upsampling and more in
+``float32`` where CPU keeps ``bfloat16``/``float16``, and runs ``mv``/``addmv``/``addr`` and the RNN cells in the lower
+precision where CPU keeps ``float32``; CPU casts ``cross_entropy``'s input, 3-d pooling, padding and more to
+``float32``, which CUDA leaves as they are. A step that applies ``F.softmax`` to reduced-precision attention scores,
+say, saves ``float32`` probabilities on CUDA: twice the bytes CPU's lists give.
 
 :func:`cuda_autocast_policy` gives each operator that CUDA's autocast covers and CPU's does not a CPU autocast kernel
-with CUDA's policy for it (:data:`CUDA_POLICIES`, from torch's ``autocast_mode.cpp``), for as long as it is entered; the
-registrations are removed on the way out. Which operators CUDA covers is asked of torch's dispatcher (a CPU-only build
-knows its CUDA autocast kernels), so an operator this torch lacks, or covers on CPU already, is left alone.
+with CUDA's policy for it (:data:`CUDA_POLICIES`, from torch's ``autocast_mode.cpp``), and lets the operators only
+CPU's covers through untouched, for as long as it is entered; the registrations are removed on the way out. Which
+operators each covers is asked of torch's dispatcher (a CPU-only build knows its CUDA autocast kernels), so the lists
+follow the torch installed.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -38,13 +41,16 @@ class Policy(str, enum.Enum):
     LOWER_PRECISION = "lower_precision_fp"
     #: Floating-point arguments are cast to the widest of their dtypes.
     PROMOTE = "promote"
+    #: Not covered: the operator runs on its arguments' own dtypes.
+    NONE = "none"
 
 
 def _ops(policy: Policy, names: str) -> dict[str, Policy]:
     return dict.fromkeys(names.split(), policy)
 
 
-#: CUDA's autocast policy per operator overload (torch's ``aten/src/ATen/autocast_mode.cpp``).
+#: CUDA's autocast policy per operator (``name.overload`` or, for every overload, ``name``), from torch's
+#: ``aten/src/ATen/autocast_mode.cpp``; upsampling's was read from torch's CUDA kernels on fake CUDA tensors.
 CUDA_POLICIES: dict[str, Policy] = {
     **_ops(
         Policy.LOWER_PRECISION,
@@ -60,7 +66,10 @@ CUDA_POLICIES: dict[str, Policy] = {
         "norm.ScalarOpt_dim frobenius_norm.dim nuclear_norm nuclear_norm.dim cosine_similarity poisson_nll_loss "
         "cosine_embedding_loss nll_loss nll_loss2d hinge_embedding_loss kl_div l1_loss smooth_l1_loss huber_loss "
         "mse_loss margin_ranking_loss multilabel_margin_loss soft_margin_loss triplet_margin_loss multi_margin_loss "
-        "binary_cross_entropy_with_logits dist pdist cdist renorm logsumexp",
+        "binary_cross_entropy_with_logits dist pdist cdist renorm logsumexp upsample_nearest1d upsample_nearest2d "
+        "upsample_nearest3d _upsample_nearest_exact1d _upsample_nearest_exact2d _upsample_nearest_exact3d "
+        "upsample_linear1d upsample_bilinear2d _upsample_bilinear2d_aa upsample_trilinear3d upsample_bicubic2d "
+        "_upsample_bicubic2d_aa",
     ),
     **_ops(
         Policy.FP32_SET_OPT_DTYPE,
@@ -72,6 +81,16 @@ CUDA_POLICIES: dict[str, Policy] = {
         "addcdiv addcmul atan2 bilinear cross dot vdot grid_sampler index_put tensordot scatter_add",
     ),
 }
+#: Operators only CPU's autocast covers that keep CPU's kernel: ones whose CUDA run takes another path altogether
+#: (oneDNN's LSTM layer, the fused multi-head attention's CPU path, ``conv*d`` with string padding,
+#: ``_addmm_activation``) or gives the same dtypes without it (``cat``, ``stack``, ``index_copy`` promote by
+#: themselves).
+KEEP_CPU_KERNEL = frozenset(
+    {
+        "mkldnn_rnn_layer", "_native_multi_head_attention", "conv1d.padding", "conv2d.padding", "conv3d.padding",
+        "_addmm_activation", "cat", "stack", "index_copy",
+    }
+)
 
 
 def _eligible(value: Any) -> bool:
@@ -133,22 +152,32 @@ def _to(dtype: torch.dtype) -> Callable[[Tensor], Tensor]:
     return cast
 
 
+def _policy(name: str) -> Policy | None:
+    """CUDA's policy for ``name`` (``packet.overload``, ``packet`` for the default overload), None where unknown."""
+    return CUDA_POLICIES.get(name) or CUDA_POLICIES.get(name.partition(".")[0])
+
+
 def _overload(name: str) -> Any:
     packet, _, overload = name.partition(".")
     return getattr(getattr(torch.ops.aten, packet, None), overload or "default", None)
 
 
+@functools.lru_cache(maxsize=1)
 def differing_ops() -> dict[Any, Policy]:
-    """The operators CUDA's autocast covers and CPU's does not in this torch, with CUDA's policy for each."""
+    """The operators whose autocast differs between CUDA and CPU in this torch, with CUDA's policy for each
+    (:attr:`Policy.NONE` for those CPU's covers and CUDA's does not)."""
+    has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
     out: dict[Any, Policy] = {}
-    for name, policy in CUDA_POLICIES.items():
-        op = _overload(name)
-        if op is None:
+    for qualified in torch._C._dispatch_get_all_op_names():
+        namespace, _, name = qualified.partition("::")
+        if namespace != "aten":
             continue
-        qualified = op.name()
-        if torch._C._dispatch_has_kernel_for_dispatch_key(
-            qualified, "AutocastCUDA"
-        ) and not torch._C._dispatch_has_kernel_for_dispatch_key(qualified, "AutocastCPU"):
+        on_cuda, on_cpu = has_kernel(qualified, "AutocastCUDA"), has_kernel(qualified, "AutocastCPU")
+        if on_cuda == on_cpu:
+            continue
+        policy = _policy(name) if on_cuda else (None if name in KEEP_CPU_KERNEL else Policy.NONE)
+        op = _overload(name) if policy is not None else None
+        if op is not None:
             out[op] = policy
     return out
 
@@ -156,12 +185,19 @@ def differing_ops() -> dict[Any, Policy]:
 @contextlib.contextmanager
 def cuda_autocast_policy() -> Iterator[int]:
     """While inside, CPU autocast follows CUDA's op lists where they differ (see the module's text); yields how many
-    operators it changed. Process-wide, as any kernel registration: for a CUDA target estimated on CPU only."""
+    operators it changed. Process-wide, as any kernel registration: for a CUDA target estimated on CPU only. Replacing
+    CPU's own kernels makes torch warn: silenced here."""
     library = torch.library.Library("aten", "IMPL")
     try:
         ops = differing_ops()
-        for op, policy in ops.items():
-            library.impl(op.name().split("::", 1)[1], _kernel(op, policy), "AutocastCPU", with_keyset=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for op, policy in ops.items():
+                name = op.name().split("::", 1)[1]
+                if policy is Policy.NONE:
+                    library.impl(name, torch.library.fallthrough_kernel, "AutocastCPU")
+                else:
+                    library.impl(name, _kernel(op, policy), "AutocastCPU", with_keyset=True)
         yield len(ops)
     finally:
         library._destroy()
