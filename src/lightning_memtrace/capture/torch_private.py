@@ -494,7 +494,45 @@ def queue_backward_callback(callback: Callable[[], None]) -> bool:
 
 def in_backward() -> bool:
     """Whether this thread runs autograd's backward now (a CUDA backward runs on autograd's own device thread)."""
-    return torch._C._current_graph_task_id() != -1
+    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return task_id is not None and task_id() != -1
+
+
+def operator_names() -> list[str]:
+    """The qualified names (``aten::softmax.int``) of every operator torch's dispatcher knows."""
+    return list(torch._C._dispatch_get_all_op_names())
+
+
+def has_autocast_kernel(qualified_name: str, device_type: str) -> bool:
+    """Whether ``device_type``'s autocast (``"cpu"``, ``"cuda"``) has a kernel of its own for the operator (a CPU-only
+    build knows CUDA's too)."""
+    key = "Autocast" + device_type.upper()
+    try:
+        return bool(torch._C._dispatch_has_kernel_for_dispatch_key(qualified_name, key))
+    except Exception:  # a name or key this torch does not know
+        return False
+
+
+def argument_names(func: Any) -> list[str]:
+    """The names of an operator overload's arguments, in its schema's order."""
+    return [argument.name for argument in func._schema.arguments]
+
+
+def autocast_off(device_type: str) -> Any:
+    """A context in which ``device_type``'s autocast does not apply (as inside torch's own autocast kernels)."""
+    key = getattr(torch._C.DispatchKey, "Autocast" + device_type.upper())
+    return torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key))
+
+
+@contextlib.contextmanager
+def kernel_registrations(namespace: str) -> Iterator[Any]:
+    """A ``torch.library.Library`` to register kernels for ``namespace``'s operators with, its registrations removed
+    on the way out (the kernels they replaced apply again)."""
+    library = torch.library.Library(namespace, "IMPL")
+    try:
+        yield library
+    finally:
+        library._destroy()
 
 
 def cuda_workspace_size() -> int | None:

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_memtrace.capture import torch_private
+
 _REDUCED = (torch.bfloat16, torch.float16)
 
 
@@ -116,8 +118,7 @@ def _tensors(values: Any) -> Iterator[Tensor]:
 def _kernel(op: Any, policy: Policy) -> Callable[..., Any]:
     """A CPU autocast kernel applying CUDA's ``policy`` to ``op``, then calling it with autocast off, as torch's own
     autocast kernels do."""
-    no_autocast = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
-    names = [argument.name for argument in op._schema.arguments]
+    names = torch_private.argument_names(op)
     dtype_at = names.index("dtype") if "dtype" in names else None
 
     def kernel(_keyset: Any, *args: Any, **kwargs: Any) -> Any:
@@ -139,7 +140,7 @@ def _kernel(op: Any, policy: Policy) -> Callable[..., Any]:
                     args = (*args[:dtype_at], torch.float32, *args[dtype_at + 1:])
                 else:
                     kwargs = {**kwargs, "dtype": torch.float32}
-        with torch._C._ExcludeDispatchKeyGuard(no_autocast):
+        with torch_private.autocast_off("cpu"):
             return op(*args, **kwargs)
 
     return kernel
@@ -166,13 +167,13 @@ def _overload(name: str) -> Any:
 def differing_ops() -> dict[Any, Policy]:
     """The operators whose autocast differs between CUDA and CPU in this torch, with CUDA's policy for each
     (:attr:`Policy.NONE` for those CPU's covers and CUDA's does not)."""
-    has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
+    has_kernel = torch_private.has_autocast_kernel
     out: dict[Any, Policy] = {}
-    for qualified in torch._C._dispatch_get_all_op_names():
+    for qualified in torch_private.operator_names():
         namespace, _, name = qualified.partition("::")
         if namespace != "aten":
             continue
-        on_cuda, on_cpu = has_kernel(qualified, "AutocastCUDA"), has_kernel(qualified, "AutocastCPU")
+        on_cuda, on_cpu = has_kernel(qualified, "cuda"), has_kernel(qualified, "cpu")
         if on_cuda == on_cpu:
             continue
         policy = _policy(name) if on_cuda else (None if name in KEEP_CPU_KERNEL else Policy.NONE)
@@ -187,8 +188,7 @@ def cuda_autocast_policy() -> Iterator[int]:
     """While inside, CPU autocast follows CUDA's op lists where they differ (see the module's text); yields how many
     operators it changed. Process-wide, as any kernel registration: for a CUDA target estimated on CPU only. Replacing
     CPU's own kernels makes torch warn: silenced here."""
-    library = torch.library.Library("aten", "IMPL")
-    try:
+    with torch_private.kernel_registrations("aten") as library:
         ops = differing_ops()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -199,5 +199,3 @@ def cuda_autocast_policy() -> Iterator[int]:
                 else:
                     library.impl(name, _kernel(op, policy), "AutocastCPU", with_keyset=True)
         yield len(ops)
-    finally:
-        library._destroy()
