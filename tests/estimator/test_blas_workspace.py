@@ -132,3 +132,17 @@ def test_real_training_snapshots_hold_two_workspaces_of_torchs_size(fixtures_dir
         if b["state"] == "active_allocated" and b["size"] == size
     ]
     assert len(blocks) == 2
+
+
+@pytest.mark.parametrize(
+    ("name", "blocks"),
+    [("kkaitlyn111_memory_files_memory_ctx128_fullstep.pickle", 2), ("shreyansh26_profile_grad.pkl", 1)],
+)
+def test_a_snapshots_cublas_workspaces_are_one_site_of_other(fixtures_dir, name, blocks):
+    # made under the user's first product (einsum) and under autograd's BmmBackward0: both the workspace torch keeps
+    from lightning_memtrace.analysis.loader import load_snapshot
+    from lightning_memtrace.analysis.replay import replay
+
+    sites = replay(load_snapshot(fixtures_dir / name)).peak.sites
+    workspace = sites[sites.function == "cuBLAS workspace"]
+    assert workspace[["category", "bytes", "count"]].values.tolist() == [["other", blocks * NEWER_GPU_BYTES, blocks]]

@@ -42,6 +42,9 @@ class Site:
 
 UNKNOWN_SITE = Site("", 0, "<no frames>")
 PRE_EXISTING_SITE = Site("", 0, "<allocated before recording>")
+#: torch keeps one cuBLAS workspace per thread that runs products (and per stream) until the process ends.
+CUBLAS_WORKSPACE_SITE = Site("", 0, "cuBLAS workspace")
+CUDA_WORKSPACE_SITE = Site("", 0, "CUDA library workspace")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,12 +111,15 @@ def _python_flags(name: str, filename: str) -> int:
 
 
 def _native_facts(name: str) -> FrameFacts:
-    """Facts of a C++ frame: backward engine / workspace flags, an autograd node, a caller name."""
+    """Facts of a C++ frame: backward engine / workspace flags, an autograd node, a caller name; a CUDA library's
+    workspace is its own site (the innermost frame of its stack, so the one shown), whatever Python line ran first."""
     flags = 0
     if "autograd::Engine" in name or "PythonEngine" in name:
         flags |= F_BWD
     if "Workspace" in name and "cuda" in name:
-        flags |= F_OTHER
+        cublas = "blas" in name.lower() or "getNewWorkspace" in name  # torch's cuBLAS workspace maker
+        site = CUBLAS_WORKSPACE_SITE if cublas else CUDA_WORKSPACE_SITE
+        return (flags | F_OTHER, site, None, None, None)
     node = name if ("Backward" in name and "::apply" in name) else None
     caller = None
     if name and not any(k in name for k in _ALLOCATOR_WORDS):
