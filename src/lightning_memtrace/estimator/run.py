@@ -242,7 +242,7 @@ def _estimate(
                     training_step,
                     prefetch,
                     ddp_buckets,
-                    scratch or workspaces,
+                    scratch if scratch is not None else workspaces,
                     host_offload=target.type == "cuda",
                 )
             except FiniteCheckNeeded:
