@@ -307,8 +307,9 @@ class AllocationTracker:
         return self._dispatch.uncounted()
 
     def count_kernel_scratch(self, rule: KernelScratchRule) -> None:
-        """Under backend "dispatch", count at the peak the scratch ``rule`` gives for the operators it covers (memory
-        their kernels take and free inside them); set before :meth:`start`."""
+        """Under backend "dispatch", count what ``rule`` gives for the operators it covers: at the peak, the scratch
+        their kernels take and free inside them; from then on, the buffers their libraries keep; set before
+        :meth:`start`."""
         self._dispatch.kernel_scratch = rule
 
     def record_history(self, enabled: bool) -> None:

@@ -122,18 +122,10 @@ def _kernel(op: Any, policy: Policy) -> Callable[..., Any]:
     dtype_at = names.index("dtype") if "dtype" in names else None
 
     def kernel(_keyset: Any, *args: Any, **kwargs: Any) -> Any:
-        if policy is Policy.FP32:
-            args, kwargs = _cast_all(args, _to(torch.float32)), {k: _cast_all(v, _to(torch.float32)) for k, v in
-                                                                 kwargs.items()}
-        elif policy is Policy.LOWER_PRECISION:
-            low = _to(torch.get_autocast_dtype("cpu"))
-            args, kwargs = _cast_all(args, low), {k: _cast_all(v, low) for k, v in kwargs.items()}
-        elif policy is Policy.PROMOTE:
-            dtypes = [t.dtype for t in _tensors((*args, *kwargs.values())) if _eligible(t)]
-            if dtypes:
-                widest = _to(functools.reduce(torch.promote_types, dtypes))
-                args, kwargs = _cast_all(args, widest), {k: _cast_all(v, widest) for k, v in kwargs.items()}
-        elif dtype_at is not None and args and _eligible(args[0]):
+        cast = _cast_for(policy, args, kwargs)
+        if cast is not None:
+            args, kwargs = _cast_all(args, cast), {k: _cast_all(v, cast) for k, v in kwargs.items()}
+        elif policy is Policy.FP32_SET_OPT_DTYPE and dtype_at is not None and args and _eligible(args[0]):
             given = args[dtype_at] if len(args) > dtype_at else kwargs.get("dtype")
             if given is None:
                 if len(args) > dtype_at:
@@ -144,6 +136,19 @@ def _kernel(op: Any, policy: Policy) -> Callable[..., Any]:
             return op(*args, **kwargs)
 
     return kernel
+
+
+def _cast_for(policy: Policy, args: tuple, kwargs: dict[str, Any]) -> Callable[[Tensor], Tensor] | None:
+    """The cast ``policy`` applies to every eligible argument of this call, None where it casts none (it sets a
+    ``dtype`` instead, or there is nothing to promote)."""
+    if policy is Policy.FP32:
+        return _to(torch.float32)
+    if policy is Policy.LOWER_PRECISION:
+        return _to(torch.get_autocast_dtype("cpu"))
+    if policy is Policy.PROMOTE:
+        dtypes = [t.dtype for t in _tensors((*args, *kwargs.values())) if _eligible(t)]
+        return _to(functools.reduce(torch.promote_types, dtypes)) if dtypes else None
+    return None
 
 
 def _to(dtype: torch.dtype) -> Callable[[Tensor], Tensor]:

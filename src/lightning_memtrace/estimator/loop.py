@@ -117,8 +117,9 @@ def run_steps(
 ) -> list[PhaseRecord]:
     """Lightning's automatic optimization loop, step for step, with MemTrace's recorder taking the rows
     (``ddp_buckets``: with DDP's gradient buckets alive throughout, see
-    :mod:`~lightning_memtrace.capture.ddp_buckets`; ``kernel_scratch``: the CPU kernels' scratch, see
-    :mod:`~lightning_memtrace.estimator.kernel_scratch`; ``host_offload``: ``save_on_cpu``'s copies are host memory,
+    :mod:`~lightning_memtrace.capture.ddp_buckets`; ``kernel_scratch``: what kernels hold that fake tensors do not
+    show, the CPU kernels' scratch or cuBLAS's workspaces, see :mod:`~lightning_memtrace.estimator.kernel_scratch` and
+    :mod:`~lightning_memtrace.estimator.blas_workspace`; ``host_offload``: ``save_on_cpu``'s copies are host memory,
     not the target's, see :mod:`~lightning_memtrace.estimator.host_offload`)."""
     recorder = meta_recorder(model, optimizer, device, kernel_scratch)
     loop = LightningLoop(model, optimizer, recorder, device, precision, accumulate, lightning, training_step)

@@ -22,7 +22,8 @@ def meta_recorder(
 
     Fake tensors' storages live on the meta device: the tracker counts there, without stacks (no history is written),
     and no real allocator is touched (on CUDA, allocator counters would reset the real device's peak statistics
-    under a running training). ``kernel_scratch``: the scratch of the kernels it covers, counted at the peak.
+    under a running training). ``kernel_scratch``: what the kernels it covers hold beyond their outputs (scratch
+    counted at the peak, buffers kept from then on).
     """
     tracker = AllocationTracker("meta", max_entries=1, frames_min_bytes=1 << 62)
     if kernel_scratch is not None:
