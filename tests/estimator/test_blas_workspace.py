@@ -116,7 +116,8 @@ def test_checkpointed_layers_recompute_on_the_backwards_thread(no_config, monkey
 def test_a_step_without_products_holds_none(no_config):
     est = estimate(Elementwise(), _batch(), training_step=_step, device="cuda")
     assert est.blas_workspace_bytes == 0
-    assert all(r.other_bytes < 1024 for r in est.records)
+    # no workspace (8 MiB or more) in other: only the caching allocator's rounding of small blocks to 512 B
+    assert all(r.other_bytes < 64 * 1024 for r in est.records)
 
 
 @pytest.mark.parametrize(

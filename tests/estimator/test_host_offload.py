@@ -28,7 +28,8 @@ def test_offloaded_activations_leave_a_cuda_targets_memory(pin_memory):
     # the last output, which the loss's pow saves outside save_on_cpu. Offloaded, only that last one stays.
     assert plain_row.activations_bytes == LAYERS * HIDDEN
     assert offloaded_row.activations_bytes == HIDDEN
-    assert offloaded_row.other_bytes - offloaded.blas_workspace_bytes < 64  # no host copy left in other
+    # no host copy (2 MiB each) left in other: only the caching allocator's rounding of blocks to 512 B
+    assert offloaded_row.other_bytes - offloaded.blas_workspace_bytes < 16 * 1024
     assert plain_row.allocated_bytes - offloaded_row.allocated_bytes == (LAYERS - 1) * HIDDEN
     # backward brings each saved tensor back to the device as it needs it: far below the plain step's peak (16 layer
     # outputs and the parameters' bytes there, 9 offloaded)

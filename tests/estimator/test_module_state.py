@@ -219,4 +219,5 @@ def test_an_attribute_tensor_on_another_device_is_shared_not_counted():
     copy = fake_copy(module, fake_mode(), torch.device("cpu"), None, in_place=False)
     assert copy.host_table is module.host_table and not is_fake(copy.host_table)
     result = estimate(module, torch.randn(4, 8, device="meta"), training_step=lambda m, b: m(b).sum(), device="cuda")
-    assert result.category_bytes()[Category.OTHER] - result.blas_workspace_bytes < 1024
+    # the 1 MiB table is not in other: only the caching allocator's rounding of small blocks to 512 B is
+    assert result.category_bytes()[Category.OTHER] - result.blas_workspace_bytes < 16 * 1024

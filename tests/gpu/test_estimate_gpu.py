@@ -5,8 +5,8 @@ Skipped without CUDA. The estimate counts what PyTorch allocates through its cac
 
 - cuBLAS workspaces (allocated through the caching allocator, per thread and stream): estimated, one for the
   forward's thread and one for the backward's (:mod:`lightning_memtrace.estimator.blas_workspace`), checked below;
-- the caching allocator's rounding (blocks of 512 B, 2 MiB segments for large blocks; ``max_memory_allocated`` counts
-  rounded blocks, the estimate exact storage sizes);
+- the caching allocator's rounding: modelled (:mod:`lightning_memtrace.estimator.caching_allocator`: blocks of 512 B,
+  the whole blocks it does not cut, and the segments it reserves, checked below against ``max_memory_reserved``);
 - kernels that allocate workspaces of their own (cuDNN, fused or flash/memory-efficient attention: the reference
   configs use eager attention, so none here) and autocast's weight cache under ``bf16-mixed``.
 
@@ -203,4 +203,32 @@ def test_the_estimate_a_machine_without_a_gpu_makes_meets_the_gpu_run(tmp_path, 
     error = (laptop - peak) / peak
     print(json.dumps({"attention": attention, "laptop_estimate": laptop, "max_memory_allocated": peak,
                       "error_percent": 100 * error}))
+    assert abs(error) <= 0.05
+
+
+@pytest.mark.parametrize("conf", ["", "expandable_segments:True"])
+def test_the_estimates_reserved_bytes_meet_the_gpu_runs(tmp_path, monkeypatch, conf):
+    """The caching allocator's model (the estimate's ``reserved_bytes``) against the GPU's allocator: a plain 3-step
+    run's ``max_memory_reserved``, with torch's default settings and with expandable segments."""
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", conf)
+    estimate = estimate_from_config(
+        GPT2, BATCH, SEQ, optimizer="adamw", device="cuda", steps=3, attn_implementation="eager"
+    )
+    assert estimate.allocator == ("expandable segments" if conf else "defaults")
+    torch.cuda.memory._set_allocator_settings(f"expandable_segments:{bool(conf)}")
+    try:
+        base = _fresh_cuda()
+        before = torch.cuda.memory_reserved()
+        module = ConfigLM(attention="eager")
+        trainer(tmp_path, [], accelerator="gpu", devices=1, max_steps=3).fit(module)
+        reserved = torch.cuda.max_memory_reserved() - before
+        allocated = torch.cuda.max_memory_allocated() - base
+    finally:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+        del module
+        _fresh_cuda()
+    error = (estimate.peak_reserved_bytes - reserved) / reserved
+    print(json.dumps({"conf": conf, "estimated_reserved": estimate.peak_reserved_bytes, "max_memory_reserved": reserved,
+                      "estimated_peak": estimate.peak_bytes, "max_memory_allocated": allocated,
+                      "allocator_needs": estimate.allocator_needs(), "error_percent": 100 * error}))
     assert abs(error) <= 0.05

@@ -12,7 +12,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -88,6 +88,19 @@ class OutOfMemoryEvent:
     message: str = ""
 
 
+class AllocatorObserver(Protocol):
+    """A model of a device's allocator, told of every allocation and free the state counts."""
+
+    def allocate(self, entry: LiveAllocation, key: int | None) -> None:
+        """``entry`` is counted from now (``key``: its storage's key; None for memory no storage leads to)."""
+
+    def release(self, entry: LiveAllocation) -> None:
+        """``entry`` is no longer counted."""
+
+    def pass_through(self, nbytes: int) -> None:
+        """``nbytes`` were taken and given back inside one operator."""
+
+
 class AllocationState:
     """Live storages (by weak reference) and reported blocks of one device, their bytes, and the event history.
 
@@ -123,6 +136,9 @@ class AllocationState:
         self.device_type = device.type
         self._device_index = (device.index or 0) if device.type not in ("cpu", "meta") else None
         self._fake_addr = 1 << 44
+        #: A model of a device's allocator fed with every allocation and free counted here (the estimator's CUDA
+        #: caching allocator), else None.
+        self.allocator: AllocatorObserver | None = None
 
     def resize_history(self, size: int) -> None:
         if self.events.maxlen != size:
@@ -146,6 +162,8 @@ class AllocationState:
         them."""
         if self.allocated + nbytes > self.peak:
             self.peak = self.allocated + nbytes
+        if self.allocator is not None:
+            self.allocator.pass_through(nbytes)
 
     def reset_peak(self) -> None:
         self._max_allocated = max(self._max_allocated, self.peak)
@@ -163,6 +181,8 @@ class AllocationState:
         self.blocks[entry.addr] = entry
         self.allocated += nbytes
         self.peak = max(self.peak, self.allocated)
+        if self.allocator is not None:
+            self.allocator.allocate(entry, None)
         return entry
 
     def _address_of_its_own(self, nbytes: int) -> int:
@@ -211,6 +231,8 @@ class AllocationState:
         allocated = self.allocated = self.allocated + nbytes
         if allocated > self.peak:
             self.peak = allocated
+        if self.allocator is not None:
+            self.allocator.allocate(entry, key)
         if not adopted:
             self.events.append((ALLOC, now, entry))
 
@@ -234,6 +256,8 @@ class AllocationState:
     def count_down(self, entry: LiveAllocation) -> None:
         """A counted storage or block is gone (already out of the tables): its bytes and a free event."""
         self.allocated -= entry.nbytes
+        if self.allocator is not None:
+            self.allocator.release(entry)
         self.events.append((FREE, time.time_ns() // 1000, entry, self.stream_metadata))
 
     def forget(self, key: int, entry: LiveAllocation) -> None:

@@ -75,11 +75,14 @@ class RecorderParts:
 
     Attributes:
         tracker: The allocation tracker (its counters then give allocated and peak).
+        counters: Where allocated, reserved and peak come from instead (with ``tracker``: a model of a device's
+            allocator that the tracker's allocations and frees drive).
         categories: Names parameters, gradients, optimizer state.
         saved: Records the storages autograd saves.
     """
 
     tracker: AllocationTracker | None = None
+    counters: MemoryCounters | None = None
     categories: CategoryCounter | None = None
     saved: SavedTensorsRecorder | None = None
 
@@ -197,7 +200,7 @@ class MemoryRecorder:
     ) -> tuple[AllocationTracker | None, MemoryCounters | None, RecorderConfig]:
         """The tracker and counters for this device and module, and the settings they were chosen with."""
         if parts.tracker is not None:
-            return parts.tracker, TrackerCounters(parts.tracker), config
+            return parts.tracker, parts.counters or TrackerCounters(parts.tracker), config
         device_counters = allocator_counters(self.device)
         choice = choose_backend(config, self.model, _reports_available(self.device), device_counters is not None)
         if choice.warning:

@@ -25,6 +25,7 @@ from torch import Tensor
 from lightning_memtrace.capture.allocation_state import (
     OOM,
     AllocationState,
+    AllocatorObserver,
     LiveAllocation,
     OutOfMemoryEvent,
     RowMark,
@@ -311,6 +312,10 @@ class AllocationTracker:
         their kernels take and free inside them; from then on, the buffers their libraries keep; set before
         :meth:`start`."""
         self._dispatch.kernel_scratch = rule
+
+    def drive_allocator(self, allocator: AllocatorObserver | None) -> None:
+        """Tell ``allocator`` (a model of a device's allocator) of every allocation and free counted from now on."""
+        self._state.allocator = allocator
 
     def record_history(self, enabled: bool) -> None:
         """Open (or close) a history window: every allocation gets a stack and the ring holds ``max_entries``.

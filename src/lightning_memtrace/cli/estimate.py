@@ -230,6 +230,8 @@ def _json_object(args: argparse.Namespace, shown: Any, search: Any, fits: bool |
     if args.device_memory is not None:
         payload["device_memory"] = args.device_memory
         payload["fits"] = fits
+        if shown is not None and shown.allocator:
+            payload["allocator_fits"] = shown.allocator_fits(args.device_memory)
     if search is not None:
         payload["max_batch_size"] = search.batch_size
         payload["searched_peaks"] = {str(k): v for k, v in search.peaks.items()}
@@ -272,6 +274,19 @@ def _fit_line(budget_bytes: int, shown: Any, fits: bool) -> str:
     return f"does not fit in {budget}: peak {peak}, {over} over"
 
 
+def _allocator_line(budget_bytes: int | None, shown: Any) -> str:
+    """What the caching allocator needs for the run, fragmentation included, and whether the budget holds it."""
+    needs = shown.allocator_needs()
+    line = (
+        f"the caching allocator needs {format_bytes(needs)} ({needs:,} B) to serve every request, fragmentation "
+        f"included (it reserves up to {format_bytes(shown.peak_reserved_bytes)} where nothing makes it free its cache)"
+    )
+    if budget_bytes is None:
+        return line
+    verdict = "serves it" if shown.allocator_fits(budget_bytes) else "runs out"
+    return f"{line}; in {format_bytes(budget_bytes)} it {verdict}"
+
+
 def _search_line(budget_bytes: int, search: Any) -> str:
     if search.batch_size == 0:
         budget, first = _distinct(budget_bytes, search.peaks.get(1, 0))
@@ -309,9 +324,14 @@ def _print_text(args: argparse.Namespace, shown: Any, search: Any, fits: bool | 
         print(shown.table())
     if fits is not None and shown is not None:
         print(_fit_line(args.device_memory, shown, fits))
+    if shown is not None and shown.allocator:
+        print(_allocator_line(args.device_memory, shown))
     if search is not None:
         print(_search_line(args.device_memory, search))
-    print("estimate of allocated bytes; on CUDA leave room for the context, cuBLAS workspace and fragmentation")
+    if shown is not None and shown.allocator:
+        print("allocated and reserved as CUDA's caching allocator would count them; leave room for the CUDA context")
+    else:
+        print("estimate of allocated bytes")
 
 
 def _meta_model(args: argparse.Namespace) -> Any:

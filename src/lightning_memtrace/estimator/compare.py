@@ -68,13 +68,16 @@ def compare_estimate(
         A DataFrame with columns ``category``, ``phase``, ``estimated_bytes``, ``measured_bytes`` (the most of that
         category over the run at the same phase), ``error_bytes`` (estimated - measured) and ``error_percent``
         (relative to measured; NaN where measured is 0). Rows: each category in :class:`Category` order, then
-        ``peak`` (``peak_bytes``).
+        ``peak`` (``peak_bytes``), then, where the estimate modelled CUDA's caching allocator, ``reserved``
+        (``reserved_bytes``).
     """
     import pandas as pd
 
     measured = _training_rows(phases, run)
     est = estimate.to_dataframe()
     columns = [(c.value, f"{c.value}_bytes") for c in Category] + [("peak", "peak_bytes")]
+    if estimate.allocator:
+        columns.append(("reserved", "reserved_bytes"))
     frame = pd.DataFrame([_compared(est, measured, name, column, phase) for name, column in columns])
     for column in ("estimated_bytes", "measured_bytes", "error_bytes"):
         frame[column] = frame[column].astype("int64")

@@ -20,6 +20,7 @@ from lightning_memtrace.capture.ddp_buckets import bucket_tensors
 from lightning_memtrace.estimator.fake import backward_in_function_modes, fake_batch
 from lightning_memtrace.estimator.inputs import Precision
 from lightning_memtrace.estimator.meta_recorder import meta_recorder
+from lightning_memtrace.estimator.modelled_cuda import ModelledCudaAllocator
 from lightning_memtrace.types import PhaseRecord
 
 #: How a plain module's batch reaches it, said in every error of the default training step.
@@ -114,14 +115,17 @@ def run_steps(
     ddp_buckets: bool = False,
     kernel_scratch: KernelScratchRule | None = None,
     host_offload: bool = False,
+    allocator: ModelledCudaAllocator | None = None,
 ) -> list[PhaseRecord]:
     """Lightning's automatic optimization loop, step for step, with MemTrace's recorder taking the rows
     (``ddp_buckets``: with DDP's gradient buckets alive throughout, see
     :mod:`~lightning_memtrace.capture.ddp_buckets`; ``kernel_scratch``: what kernels hold that fake tensors do not
     show, the CPU kernels' scratch or cuBLAS's workspaces, see :mod:`~lightning_memtrace.estimator.kernel_scratch` and
     :mod:`~lightning_memtrace.estimator.blas_workspace`; ``host_offload``: ``save_on_cpu``'s copies are host memory,
-    not the target's, see :mod:`~lightning_memtrace.estimator.host_offload`)."""
-    recorder = meta_recorder(model, optimizer, device, kernel_scratch)
+    not the target's, see :mod:`~lightning_memtrace.estimator.host_offload`; ``allocator``: the CUDA caching
+    allocator's model the rows' allocated, reserved and peak bytes come from, see
+    :mod:`~lightning_memtrace.estimator.modelled_cuda`)."""
+    recorder = meta_recorder(model, optimizer, device, kernel_scratch, allocator)
     loop = LightningLoop(model, optimizer, recorder, device, precision, accumulate, lightning, training_step)
     float_dtype = precision.param_dtype
 

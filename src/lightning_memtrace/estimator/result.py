@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from lightning_memtrace.estimator.caching_allocator import ROUND_LARGE as SEGMENT_UNIT
+from lightning_memtrace.estimator.modelled_cuda import AllocatorLog
 from lightning_memtrace.estimator.closed_form import ClosedForm
 from lightning_memtrace.types import SHARDED_CATEGORIES, Category, Phase, PhaseRecord
 from lightning_memtrace.units import format_bytes
@@ -49,6 +51,12 @@ class Estimate:
         blas_workspace_bytes: Bytes of the cuBLAS workspaces a CUDA run keeps from its first products on, one for the
             forward's thread and one for the backward's (``other`` in the rows; see
             :mod:`~lightning_memtrace.estimator.blas_workspace`); 0 for a CPU target.
+        allocator: For a CUDA target, the caching allocator's settings the rows were modelled with (``defaults``,
+            ``expandable segments``...; see :mod:`~lightning_memtrace.estimator.caching_allocator`): the rows'
+            ``allocated_bytes`` and ``peak_bytes`` are then the allocator's blocks and ``reserved_bytes`` its
+            segments. Empty for a CPU target (reserved equals allocated).
+        allocator_log: The requests and frees the modelled allocator served (see :meth:`allocator_fits`); None for a
+            CPU target.
     """
 
     records: tuple[PhaseRecord, ...]
@@ -71,6 +79,8 @@ class Estimate:
     ddp_bucket_bytes: int = 0
     scratch_unmeasured: tuple[str, ...] = ()
     blas_workspace_bytes: int = 0
+    allocator: str = ""
+    allocator_log: AllocatorLog | None = dataclasses.field(default=None, compare=False)
 
     def __repr__(self) -> str:
         """One line, as :meth:`describe` with the peak (the rows are in ``records``, the table in :meth:`table`)."""
@@ -82,6 +92,41 @@ class Estimate:
     def peak_bytes(self) -> int:
         """The highest allocation of the whole estimated run."""
         return max((r.peak_bytes for r in self.records), default=0)
+
+    @property
+    def peak_reserved_bytes(self) -> int | None:
+        """The most the caching allocator reserves over the estimated run (``torch.cuda.max_memory_reserved()``),
+        None where no allocator was modelled (a CPU target)."""
+        if not self.allocator:
+            return None
+        return max((r.reserved_bytes for r in self.records), default=0)
+
+    def allocator_fits(self, capacity: int) -> bool | None:
+        """Whether CUDA's caching allocator, able to reserve ``capacity`` bytes (the device's memory less the CUDA
+        context), serves every request of the estimated run: fragmentation included, and the cache freed where it
+        must be, as torch does before it raises out of memory. None where no allocator was modelled (a CPU target).
+        """
+        if self.allocator_log is None:
+            return None
+        if (self.peak_reserved_bytes or 0) <= capacity:
+            return True
+        return self.allocator_log.serves_within(capacity)
+
+    def allocator_needs(self) -> int | None:
+        """The least ``capacity`` for which :meth:`allocator_fits` holds (a multiple of 2 MiB, as segments are);
+        None for a CPU target."""
+        if self.allocator_log is None:
+            return None
+        unit = SEGMENT_UNIT
+        low, high = max(0, self.peak_bytes - 1) // unit, -(-(self.peak_reserved_bytes or 0) // unit)
+        # in units: `low` never serves (below the peak), `high` always does (what the run reserved unhindered)
+        while high - low > 1:
+            middle = (low + high) // 2
+            if self.allocator_log.serves_within(middle * unit):
+                high = middle
+            else:
+                low = middle
+        return high * unit
 
     @property
     def peak_record(self) -> PhaseRecord | None:
@@ -147,7 +192,10 @@ class Estimate:
             "ddp_bucket_bytes": self.ddp_bucket_bytes,
             "scratch_unmeasured": list(self.scratch_unmeasured),
             "blas_workspace_bytes": self.blas_workspace_bytes,
+            "allocator": self.allocator,
             "peak_bytes": self.peak_bytes,
+            "peak_reserved_bytes": self.peak_reserved_bytes,
+            "allocator_needs_bytes": self.allocator_needs(),
             "phase_peaks": {p.value: v for p, v in self.phase_peaks().items()},
             "categories": {c.value: v for c, v in self.category_bytes().items()},
             "closed_form": self.closed_form.as_dict(),
@@ -164,10 +212,17 @@ class Estimate:
         first = min((r.step for r in self.records), default=0)
         out = [f"estimate (rows of step {step}, steady state): {self.describe()}"]
         rows = [r for r in self.records if r.step == step]
-        out.extend(_phase_lines(_micro_batches(rows, self.accumulate_grad_batches)))
+        out.extend(_phase_lines(_micro_batches(rows, self.accumulate_grad_batches), reserved=bool(self.allocator)))
         out.append("")
         out.extend(_closed_form_lines(self.category_bytes(), self.closed_form))
         out.append(self._peak_line(step, first, rows))
+        reserved = self.peak_reserved_bytes
+        if reserved is not None:
+            above = reserved - self.peak_bytes
+            out.append(
+                f"reserved by the caching allocator ({self.allocator}): {format_bytes(reserved)} ({reserved:,} B), "
+                f"{format_bytes(above)} above the peak (cached blocks, free space in its segments)"
+            )
         return "\n".join(out)
 
     def _peak_line(self, step: int, first: int, rows: list[PhaseRecord]) -> str:
@@ -230,14 +285,14 @@ def _micro_batches(rows: list[PhaseRecord], accumulate: int) -> list[tuple[str, 
     ]
 
 
-def _phase_lines(blocks: list[tuple[str, list[PhaseRecord]]]) -> list[str]:
-    """Aligned columns: phase, peak, allocated and each category, a rule under the header; a label line above each
-    labelled block."""
+def _phase_lines(blocks: list[tuple[str, list[PhaseRecord]]], reserved: bool = False) -> list[str]:
+    """Aligned columns: phase, peak, allocated (``reserved`` too where the caching allocator was modelled) and each
+    category, a rule under the header; a label line above each labelled block."""
     records = [r for _, rows in blocks for r in rows]
     cats = [
         c for c in Category if c not in SHARDED_CATEGORIES or any(r.category_bytes()[c] for r in records)
     ]
-    header = ["phase", "peak", "allocated", *[c.value for c in cats]]
+    header = ["phase", "peak", "allocated", *(["reserved"] if reserved else []), *[c.value for c in cats]]
     lines: list[list[str] | str] = [header]
     for label, rows in blocks:
         if label:
@@ -249,6 +304,7 @@ def _phase_lines(blocks: list[tuple[str, list[PhaseRecord]]]) -> list[str]:
                     r.phase.value,
                     format_bytes(r.peak_bytes),
                     format_bytes(r.allocated_bytes),
+                    *([format_bytes(r.reserved_bytes)] if reserved else []),
                     *[format_bytes(values[c]) for c in cats],
                 ]
             )

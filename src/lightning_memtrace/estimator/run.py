@@ -39,6 +39,9 @@ from lightning_memtrace.estimator.fake import (
 )
 from lightning_memtrace.estimator.inputs import Precision, batch_dims
 from lightning_memtrace.estimator.blas_workspace import CublasWorkspaces, workspace_bytes
+from lightning_memtrace.estimator.allocator_settings import AllocatorSettings
+from lightning_memtrace.estimator.caching_allocator import CachingAllocatorModel
+from lightning_memtrace.estimator.modelled_cuda import ModelledCudaAllocator
 from lightning_memtrace.estimator.cuda_autocast import cuda_autocast_policy
 from lightning_memtrace.estimator.kernel_scratch import KernelScratch
 from lightning_memtrace.capture.ddp_buckets import bucket_bytes
@@ -219,6 +222,7 @@ def _estimate(
         prefetch = prefetch and not emulate_cuda and fake_device.type == "cpu"
         scratch = KernelScratch() if target.type == "cpu" else None
         workspaces = CublasWorkspaces(workspace_bytes(target)) if target.type == "cuda" else None
+        allocator = _cuda_allocator() if target.type == "cuda" else None
         cuda_autocast = emulate_cuda and precision.autocast_dtype is not None
         with (
             cuda_autocast_policy() if cuda_autocast else contextlib.nullcontext(),
@@ -244,6 +248,7 @@ def _estimate(
                     ddp_buckets,
                     scratch if scratch is not None else workspaces,
                     host_offload=target.type == "cuda",
+                    allocator=allocator,
                 )
             except FiniteCheckNeeded:
                 raise
@@ -254,7 +259,7 @@ def _estimate(
                     raise
                 raise ValueError(_real_tensor_used(error)) from None
     if emulate_cuda:
-        records = _without_host_steps(records, optimizer)
+        records = _without_host_steps(records, optimizer, allocator)
     batch_size, seq_len = batch_dims(batch)
     return Estimate(
         records=tuple(records),
@@ -279,7 +284,14 @@ def _estimate(
         ddp_bucket_bytes=bucket_bytes(model) if ddp_buckets else 0,
         scratch_unmeasured=tuple(scratch.unmeasured) if scratch is not None else (),
         blas_workspace_bytes=workspaces.held_bytes if workspaces is not None else 0,
+        allocator=allocator.model.settings.describe() if allocator is not None else "",
+        allocator_log=allocator.log if allocator is not None else None,
     )
+
+
+def _cuda_allocator() -> ModelledCudaAllocator:
+    """The caching allocator's model, with the settings this process's environment gives a CUDA run."""
+    return ModelledCudaAllocator(CachingAllocatorModel(AllocatorSettings.from_environment()))
 
 
 def estimate_for_module(
@@ -544,13 +556,19 @@ def _step_tensors(optimizer: torch.optim.Optimizer) -> dict[int, torch.UntypedSt
     return unique_storages(steps)
 
 
-def _without_host_steps(records: list[PhaseRecord], optimizer: torch.optim.Optimizer) -> list[PhaseRecord]:
-    """On CUDA, Adam's ``step`` scalars are host tensors: take them out of the stand-in CPU measurement."""
+def _without_host_steps(
+    records: list[PhaseRecord], optimizer: torch.optim.Optimizer, allocator: ModelledCudaAllocator | None = None
+) -> list[PhaseRecord]:
+    """On CUDA, Adam's ``step`` scalars are host tensors: take them out of the stand-in CPU measurement (where the
+    caching allocator was modelled, their blocks out of allocated and peak; the small segments they shared with
+    device tensors stay reserved)."""
     if not _steps_on_host(optimizer):
         return records
-    host = sum(s.nbytes() for s in _step_tensors(optimizer).values())
+    storages = _step_tensors(optimizer).values()
+    host = sum(s.nbytes() for s in storages)
     if host == 0:
         return records
+    blocks = sum(allocator.model.round_size(s.nbytes()) for s in storages) if allocator is not None else host
     out = []
     seen = False
     for record in records:
@@ -559,9 +577,9 @@ def _without_host_steps(records: list[PhaseRecord], optimizer: torch.optim.Optim
         if seen:
             record = dataclasses.replace(
                 record,
-                allocated_bytes=record.allocated_bytes - host,
-                reserved_bytes=record.reserved_bytes - host,
-                peak_bytes=record.peak_bytes - host,
+                allocated_bytes=record.allocated_bytes - blocks,
+                reserved_bytes=record.reserved_bytes - (host if allocator is None else 0),
+                peak_bytes=record.peak_bytes - blocks,
                 optimizer_state_bytes=record.optimizer_state_bytes - host,
             )
         out.append(record)

@@ -1,0 +1,130 @@
+"""A snapshot's trace driven through the caching allocator's model: the same blocks at the same addresses.
+
+The model (:mod:`~lightning_memtrace.estimator.caching_allocator`) is what the estimate's ``reserved_bytes`` come
+from; a real snapshot's trace is where it can be checked against the GPU's own allocator. :func:`replay_allocator`
+starts the model from the segments that existed when the trace began (the snapshot's segments less those the trace
+makes; in them, the blocks alive at the dump that the trace never touches, and those whose first event is a free),
+gives each new segment the address the trace says CUDA gave it, and then serves every ``alloc`` and
+``free_completed`` of the trace, counting the allocations the model put at another address than the GPU did.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from lightning_memtrace.estimator.allocator_blocks import Block
+from lightning_memtrace.estimator.allocator_settings import AllocatorSettings
+from lightning_memtrace.estimator.caching_allocator import MIN_BLOCK, SMALL_SIZE, CachingAllocatorModel
+
+
+@dataclasses.dataclass
+class AllocatorReplay:
+    """How the model served a snapshot's trace.
+
+    Attributes:
+        model: The model after the trace (its ``segments()`` compare with the snapshot's).
+        allocations: ``alloc`` events served.
+        misplaced: Allocations the model put at another address than the trace's.
+        new_segments: Segments the model asked CUDA for during the trace (the trace's ``segment_alloc`` events, where
+            the model matches).
+    """
+
+    model: CachingAllocatorModel
+    allocations: int = 0
+    misplaced: int = 0
+    new_segments: int = 0
+
+
+def replay_allocator(snapshot: Mapping[str, Any], device: int = 0) -> AllocatorReplay:
+    """Serve ``snapshot``'s trace of ``device`` with the model, under the settings the snapshot recorded.
+
+    Raises:
+        ValueError: the trace frees or allocates in a way no allocator state explains (a block the model does not
+            hold is freed, or a new segment's size differs from the trace's), or the snapshot has no trace.
+    """
+    traces = snapshot.get("device_traces") or []
+    if device >= len(traces) or not traces[device]:
+        raise ValueError(f"the snapshot has no trace for device {device}")
+    trace: Sequence[Mapping[str, Any]] = traces[device]
+    segments = [s for s in snapshot.get("segments", []) if int(s.get("device", device)) == device]
+    made = [(int(e["addr"]), int(e["size"])) for e in trace if e.get("action") == "segment_alloc"]
+    pending: deque[tuple[int, int]] = deque(made)
+
+    def address_of(size: int) -> int:
+        if not pending:
+            raise ValueError(f"the model made a segment of {size:,} B that the trace does not")
+        addr, real = pending.popleft()
+        if real != size:
+            raise ValueError(f"the model made a segment of {size:,} B where the trace made one of {real:,} B")
+        return addr
+
+    model = CachingAllocatorModel(AllocatorSettings.from_snapshot(snapshot), segment_address=address_of)
+    live = _seed(model, segments, trace, {addr for addr, _ in made})
+    replay = AllocatorReplay(model)
+    before = model.segment_allocs
+    for event in trace:
+        action = event.get("action")
+        if action == "alloc":
+            block = model.malloc(int(event["size"]), int(event.get("stream", 0) or 0))
+            replay.allocations += 1
+            addr = int(event["addr"])
+            if block.addr != addr:
+                replay.misplaced += 1
+            live[addr] = block
+        elif action == "free_completed":
+            held = live.pop(int(event["addr"]), None)
+            if held is None:
+                raise ValueError(f"the trace frees {int(event['addr']):#x}, which the model does not hold")
+            model.free(held)
+    replay.new_segments = model.segment_allocs - before
+    return replay
+
+
+def _seed(
+    model: CachingAllocatorModel,
+    segments: Sequence[Mapping[str, Any]],
+    trace: Sequence[Mapping[str, Any]],
+    made: set[int],
+) -> dict[int, Block]:
+    """Put the segments that existed when the trace began into ``model``; returns their allocated blocks by address."""
+    first: dict[int, Mapping[str, Any]] = {}
+    for event in trace:
+        if event.get("action") in ("alloc", "free_completed"):
+            first.setdefault(int(event["addr"]), event)
+    live: dict[int, Block] = {}
+    for segment in sorted(segments, key=lambda s: int(s["address"])):
+        start, total = int(segment["address"]), int(segment["total_size"])
+        if start in made:
+            continue
+        small = segment.get("segment_type") == "small"
+        held = [
+            (int(b["address"]), int(b["size"]), int(b.get("requested_size", b["size"])))
+            for b in segment.get("blocks", [])
+            if str(b.get("state", "")).startswith("active") and int(b["address"]) not in first
+        ]
+        held += [
+            (addr, model.round_size(int(event["size"])), int(event["size"]))
+            for addr, event in first.items()
+            if event.get("action") == "free_completed" and start <= addr < start + total
+        ]
+        blocks = model.adopt_segment(
+            start, total, _whole_blocks(sorted(held), start + total, small), int(segment.get("stream", 0) or 0), small
+        )
+        live.update((block.addr, block) for block in blocks)
+    return live
+
+
+def _whole_blocks(held: list[tuple[int, int, int]], end: int, small: bool) -> list[tuple[int, int, int]]:
+    """Blocks freed before the trace shows their size: widened over a gap after them too small to be a free block
+    (the allocator does not cut a block where 1 MiB or less would be left in the large pool, 512 B in the small)."""
+    out = []
+    for index, (addr, size, requested) in enumerate(held):
+        following = held[index + 1][0] if index + 1 < len(held) else end
+        gap = following - (addr + size)
+        if 0 < gap and (gap < MIN_BLOCK if small else gap <= SMALL_SIZE):
+            size += gap
+        out.append((addr, size, requested))
+    return out
