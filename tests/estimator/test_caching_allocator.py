@@ -1,14 +1,11 @@
-"""The CUDA caching allocator's model: torch's rules one by one, then real GPUs' traces served block for block."""
+"""The CUDA caching allocator's model: torch's rules one by one (real GPUs' traces: tests/analysis/test_allocator_replay.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from lightning_memtrace.analysis.allocator_replay import replay_allocator
-from lightning_memtrace.analysis.loader import load_snapshot
 from lightning_memtrace.estimator.allocator_settings import AllocatorSettings
 from lightning_memtrace.estimator.caching_allocator import CachingAllocatorModel, SimulatedOutOfMemory, allocation_size
-from shared_files import fixture_path
 
 MIB = 1 << 20
 
@@ -123,45 +120,3 @@ def test_settings_from_the_environment_text_and_a_snapshot():
     assert AllocatorSettings().describe() == "defaults"
     recorded = {"allocator_settings": {"expandable_segments": True, "max_split_size": -1}}
     assert AllocatorSettings.from_snapshot(recorded) == AllocatorSettings(expandable_segments=True)
-
-
-# ------------------------------------------------------------------------------------------------ real traces
-#: file -> (allocations in the trace, segments it makes)
-TRACES = {
-    "shreyansh26_profile_grad.pkl": (12, 7),
-    "drisspg_mini_snapshot.pickle": (28, 14),
-    "kkaitlyn111_memory_files_memory_ctx128_fullstep.pickle": (6771, 783),
-    "MAGMA27_assignment2_memory_snapshot.pickle": (1721, 0),
-}
-
-
-@pytest.mark.parametrize("name", sorted(TRACES))
-def test_a_real_gpus_trace_is_served_at_the_same_addresses(name):
-    snapshot = load_snapshot(fixture_path(name)).data
-    replay = replay_allocator(snapshot)
-    assert (replay.allocations, replay.new_segments) == TRACES[name]
-    assert replay.misplaced == 0  # every block where the GPU's allocator put it
-    real = snapshot["segments"]
-    model = replay.model.segments()
-    assert [(s["address"], s["total_size"]) for s in model] == sorted((s["address"], s["total_size"]) for s in real)
-    assert replay.model.reserved == sum(s["total_size"] for s in real)
-    if name != "drisspg_mini_snapshot.pickle":  # its trace stops before the frees its segments show
-        blocks = {(b["address"], b["size"], b["state"]) for s in model for b in s["blocks"]}
-        assert blocks == {(b["address"], b["size"], b["state"]) for s in real for b in s["blocks"]}
-        assert replay.model.allocated == sum(s["allocated_size"] for s in real)
-
-
-def test_a_trace_the_model_cannot_explain_is_refused():
-    segment = {"address": 1 << 30, "total_size": 20 * MIB, "segment_type": "large", "blocks": []}
-    trace = [
-        {"action": "segment_alloc", "addr": 1 << 30, "size": 20 * MIB},
-        {"action": "alloc", "addr": 1 << 30, "size": 4 * MIB},
-        {"action": "free_completed", "addr": (1 << 30) + 4 * MIB, "size": 4 * MIB},
-    ]
-    with pytest.raises(ValueError, match="which the model does not hold"):
-        replay_allocator({"segments": [segment], "device_traces": [trace]})
-    wrong_size = [{"action": "segment_alloc", "addr": 1 << 30, "size": 2 * MIB}, trace[1]]
-    with pytest.raises(ValueError, match="segment of 20,971,520 B where the trace made one of 2,097,152 B"):
-        replay_allocator({"segments": [segment], "device_traces": [wrong_size]})
-    with pytest.raises(ValueError, match="no trace"):
-        replay_allocator({"segments": [segment], "device_traces": []})

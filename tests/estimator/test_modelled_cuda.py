@@ -18,6 +18,7 @@ from lightning_memtrace.units import format_bytes
 
 MIB = 1 << 20
 WEIGHT, BIAS, BATCH = 1000 * 1000 * 4, 1000 * 4, 64 * 1000 * 4  # bytes of the Linear's weight and bias, one input
+TINY_PARAM_BYTES = 13_714_432
 
 
 @pytest.fixture
@@ -123,3 +124,16 @@ def test_the_table_and_the_command_show_reserved_and_what_the_allocator_needs(ti
     assert payload["allocator_fits"] is True and payload["estimate"]["allocator_needs_bytes"] == needs
     main([*args, "--device-memory", str(short), "--json"])
     assert json.loads(capsys.readouterr().out)["allocator_fits"] is False
+
+
+def test_a_sharded_estimate_places_each_parameters_local_shard(tiny_lm, no_workspaces):
+    _, config = tiny_lm
+    sharded = estimate_from_config(config, batch_size=4, seq_len=128, device="cuda", fsdp=4)
+    cpu = estimate_from_config(config, batch_size=4, seq_len=128, device="cpu", fsdp=4)
+    first, first_cpu = sharded.records[0], cpu.records[0]
+    # rank 0's shards only (not the full parameters' bytes, which FSDP2's DTensors stand for), in 512 B blocks
+    assert first.parameters_bytes == first_cpu.parameters_bytes < TINY_PARAM_BYTES // 3
+    assert 0 <= first.allocated_bytes - first_cpu.allocated_bytes < 64 * 1024
+    # and nothing of the full parameters (13.7 MB) stays allocated later: rows apart by the allocator's rounding and
+    # the blocks it does not cut (up to 1 MiB each), and by Adam's step scalars, host tensors on CUDA
+    assert all(abs(a.allocated_bytes - b.allocated_bytes) < 2 * MIB for a, b in zip(sharded.records, cpu.records))

@@ -19,6 +19,9 @@ from lightning_memtrace.estimator.allocator_blocks import Block
 from lightning_memtrace.estimator.allocator_settings import AllocatorSettings
 from lightning_memtrace.estimator.caching_allocator import MIN_BLOCK, SMALL_SIZE, CachingAllocatorModel
 
+#: Traces longer than this are not served again for a what-if (a few microseconds an event).
+MAX_EVENTS = 500_000
+
 
 @dataclasses.dataclass
 class AllocatorReplay:
@@ -45,11 +48,7 @@ def replay_allocator(snapshot: Mapping[str, Any], device: int = 0) -> AllocatorR
         ValueError: the trace frees or allocates in a way no allocator state explains (a block the model does not
             hold is freed, or a new segment's size differs from the trace's), or the snapshot has no trace.
     """
-    traces = snapshot.get("device_traces") or []
-    if device >= len(traces) or not traces[device]:
-        raise ValueError(f"the snapshot has no trace for device {device}")
-    trace: Sequence[Mapping[str, Any]] = traces[device]
-    segments = [s for s in snapshot.get("segments", []) if int(s.get("device", device)) == device]
+    trace, segments, made_at = _trace_of(snapshot, device)
     made = [(int(e["addr"]), int(e["size"])) for e in trace if e.get("action") == "segment_alloc"]
     pending: deque[tuple[int, int]] = deque(made)
 
@@ -62,7 +61,7 @@ def replay_allocator(snapshot: Mapping[str, Any], device: int = 0) -> AllocatorR
         return addr
 
     model = CachingAllocatorModel(AllocatorSettings.from_snapshot(snapshot), segment_address=address_of)
-    live = _seed(model, segments, trace, {addr for addr, _ in made})
+    live = _seed(model, segments, trace, made_at)
     replay = AllocatorReplay(model)
     before = model.segment_allocs
     for event in trace:
@@ -79,8 +78,22 @@ def replay_allocator(snapshot: Mapping[str, Any], device: int = 0) -> AllocatorR
             if held is None:
                 raise ValueError(f"the trace frees {int(event['addr']):#x}, which the model does not hold")
             model.free(held)
+        elif action == "segment_free" and not model.release_segment(int(event["addr"])):
+            raise ValueError(f"the trace gives back segment {int(event['addr']):#x}, which the model does not hold free")
     replay.new_segments = model.segment_allocs - before
     return replay
+
+
+def _trace_of(
+    snapshot: Mapping[str, Any], device: int
+) -> tuple[Sequence[Mapping[str, Any]], list[Mapping[str, Any]], set[int]]:
+    """``device``'s trace, its segments at the dump, and the addresses of the segments the trace makes."""
+    traces = snapshot.get("device_traces") or []
+    if device >= len(traces) or not traces[device]:
+        raise ValueError(f"the snapshot has no trace for device {device}")
+    trace: Sequence[Mapping[str, Any]] = traces[device]
+    segments = [s for s in snapshot.get("segments", []) if int(s.get("device", device)) == device]
+    return trace, segments, {int(e["addr"]) for e in trace if e.get("action") == "segment_alloc"}
 
 
 def _seed(
@@ -90,11 +103,28 @@ def _seed(
     made: set[int],
 ) -> dict[int, Block]:
     """Put the segments that existed when the trace began into ``model``; returns their allocated blocks by address."""
+    live: dict[int, Block] = {}
+    for segment, small, held in _starting_segments(model, segments, trace, made):
+        start, total = int(segment["address"]), int(segment["total_size"])
+        stream = int(segment.get("stream", 0) or 0)
+        live.update((block.addr, block) for block in model.adopt_segment(start, total, held, stream, small))
+    return live
+
+
+def _starting_segments(
+    model: CachingAllocatorModel,
+    segments: Sequence[Mapping[str, Any]],
+    trace: Sequence[Mapping[str, Any]],
+    made: set[int],
+) -> list[tuple[Mapping[str, Any], bool, list[tuple[int, int, int]]]]:
+    """The segments that existed when the trace began, each with whether it is a small one and the ``(address, block
+    size, requested)`` blocks it held then: those alive at the dump that the trace never touches, and those whose
+    first event is a free."""
     first: dict[int, Mapping[str, Any]] = {}
     for event in trace:
         if event.get("action") in ("alloc", "free_completed"):
             first.setdefault(int(event["addr"]), event)
-    live: dict[int, Block] = {}
+    out = []
     for segment in sorted(segments, key=lambda s: int(s["address"])):
         start, total = int(segment["address"]), int(segment["total_size"])
         if start in made:
@@ -110,11 +140,8 @@ def _seed(
             for addr, event in first.items()
             if event.get("action") == "free_completed" and start <= addr < start + total
         ]
-        blocks = model.adopt_segment(
-            start, total, _whole_blocks(sorted(held), start + total, small), int(segment.get("stream", 0) or 0), small
-        )
-        live.update((block.addr, block) for block in blocks)
-    return live
+        out.append((segment, small, _whole_blocks(sorted(held), start + total, small)))
+    return out
 
 
 def _whole_blocks(held: list[tuple[int, int, int]], end: int, small: bool) -> list[tuple[int, int, int]]:
@@ -128,3 +155,46 @@ def _whole_blocks(held: list[tuple[int, int, int]], end: int, small: bool) -> li
             size += gap
         out.append((addr, size, requested))
     return out
+
+
+def reserved_with(snapshot: Mapping[str, Any], settings: AllocatorSettings, device: int = 0) -> int:
+    """The most the allocator would reserve serving ``snapshot``'s trace of ``device`` under ``settings``: the blocks
+    alive when the trace began asked for first (in the order of their addresses), then every allocation and free.
+
+    Raises:
+        ValueError: the trace frees a block the model does not hold, or there is no trace.
+    """
+    trace, segments, made = _trace_of(snapshot, device)
+    model = CachingAllocatorModel(settings)
+    live: dict[int, Block] = {}
+    for _, _, held in _starting_segments(model, segments, trace, made):
+        for addr, _, requested in held:
+            live[addr] = model.malloc(requested)
+    for event in trace:
+        action = event.get("action")
+        if action == "alloc":
+            live[int(event["addr"])] = model.malloc(int(event["size"]), int(event.get("stream", 0) or 0))
+        elif action == "free_completed":
+            held_block = live.pop(int(event["addr"]), None)
+            if held_block is None:
+                raise ValueError(f"the trace frees {int(event['addr']):#x}, which the model does not hold")
+            model.free(held_block)
+    return model.max_reserved
+
+
+def expandable_segments_what_if(snapshot: Mapping[str, Any], device: int = 0) -> tuple[int, int] | None:
+    """``(reserved, with expandable segments)``: the most the allocator reserved over the trace as it ran (served
+    again by the model, which must put every block where the GPU did), and the most it would with
+    ``expandable_segments:True``. None where the trace is longer than :data:`MAX_EVENTS` or the model cannot serve it
+    as the GPU did (the snapshot is untrusted: any failure is None)."""
+    try:
+        traces = snapshot.get("device_traces") or []
+        if device >= len(traces) or not traces[device] or len(traces[device]) > MAX_EVENTS:
+            return None
+        recorded = replay_allocator(snapshot, device)
+        if recorded.misplaced:
+            return None
+        settings = dataclasses.replace(AllocatorSettings.from_snapshot(snapshot), expandable_segments=True)
+        return recorded.model.max_reserved, reserved_with(snapshot, settings, device)
+    except Exception:  # noqa: BLE001 - an untrusted file's trace: no figure rather than a failed summary
+        return None

@@ -8,6 +8,7 @@ from typing import Any
 
 import pandas as pd
 
+from lightning_memtrace.analysis.allocator_replay import expandable_segments_what_if
 from lightning_memtrace.analysis.growth import growth
 from lightning_memtrace.analysis.model import Replay
 from lightning_memtrace.capture.ddp_buckets import bucket_view_saving
@@ -162,25 +163,51 @@ def fragmentation_finding(replay: Replay) -> list[Finding]:
         return []
     extra = reserved - total
     ratio = extra / total
-    numbers = {"reserved_bytes": reserved, "allocated_bytes": total, "extra_bytes": extra, "ratio": ratio}
+    numbers: dict[str, Any] = {"reserved_bytes": reserved, "allocated_bytes": total, "extra_bytes": extra, "ratio": ratio}
+    expandable_on = bool(replay.allocator_settings.get("expandable_segments", False))
+    modelled = "" if expandable_on or ratio < 0.05 else _expandable_note(replay, numbers)
     if ratio >= 0.2:
         hint = (
             "expandable_segments is already on: fewer distinct tensor sizes (padding, bucketing) helps"
-            if bool(replay.allocator_settings.get("expandable_segments", False))
+            if expandable_on
             else "try PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
         )
         message = (
             f"reserved exceeds allocated by {ratio * 100:.0f}% at the peak ({format_bytes(reserved)} "
-            f"reserved, {format_bytes(total)} allocated, {format_bytes(extra)} cached but unused): {hint}"
+            f"reserved, {format_bytes(total)} allocated, {format_bytes(extra)} cached but unused): {hint}{modelled}"
         )
         return [Finding("fragmentation", message, Severity.WARNING, numbers)]
     if ratio >= 0.05:
         message = (
             f"reserved exceeds allocated by {ratio * 100:.0f}% at the peak ({format_bytes(reserved)} "
-            f"reserved for {format_bytes(total)} allocated): little fragmentation"
+            f"reserved for {format_bytes(total)} allocated): little fragmentation{modelled}"
         )
         return [Finding("reserved", message, Severity.INFO, numbers)]
     return []
+
+
+#: The least an allocator setting must save (bytes, and share of what is reserved) for a finding to name it.
+_SAVING_SHOWN_BYTES, _SAVING_SHOWN_SHARE = 64 * 1024**2, 0.01
+
+
+def _expandable_note(replay: Replay, numbers: dict[str, Any]) -> str:
+    """``"; served again with expandable_segments:True ..."`` where the caching allocator's model, serving the
+    trace as the GPU did, would reserve clearly less with expandable segments (and that figure in ``numbers``)."""
+    if replay.snapshot is None:
+        return ""
+    served = expandable_segments_what_if(replay.snapshot, replay.main.device)
+    if served is None:
+        return ""
+    recorded, expandable = served
+    saving = recorded - expandable
+    numbers["expandable_reserved_bytes"] = expandable
+    if saving < max(_SAVING_SHOWN_BYTES, _SAVING_SHOWN_SHARE * recorded):
+        return ""
+    return (
+        f"; with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True the caching allocator's model, served this "
+        f"trace, reserves at most {format_bytes(expandable)} where it reserved {format_bytes(recorded)} "
+        f"({format_bytes(saving)} less)"
+    )
 
 
 def top_site_findings(replay: Replay, max_sites: int = 1) -> list[Finding]:

@@ -232,6 +232,8 @@ class Replay:
         categories: Every category of the replay, in chart order (built-in ones, then user rules' names).
         category_rules: The user rules applied, ``{name: regex}`` in matching order (``--rule`` first, then the
             header's ``category_rules``); ``{}``: none.
+        snapshot: The snapshot's data the replay was made from (to serve its trace again, see
+            :mod:`~lightning_memtrace.analysis.allocator_replay`), or None.
     """
 
     devices: dict[int, DeviceReplay]
@@ -243,6 +245,7 @@ class Replay:
     num_segments: int
     categories: tuple[str, ...] = CATEGORIES
     category_rules: dict[str, str] = dataclasses.field(default_factory=dict)
+    snapshot: dict[str, Any] | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def main(self) -> DeviceReplay:

@@ -583,6 +583,7 @@ def _replay(snapshot: Snapshot, source: str | None, rules: CategoryRules = NO_RU
         num_segments=len(segments),
         categories=rules.categories,
         category_rules=rules.as_dict(),
+        snapshot=snapshot.data,
     )
 
 

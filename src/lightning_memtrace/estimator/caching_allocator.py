@@ -184,6 +184,15 @@ class CachingAllocatorModel:
             for block in expandable:
                 self._unmap(pool, block)
 
+    def release_segment(self, address: int) -> bool:
+        """Give CUDA the segment at ``address`` if it holds nothing (as the allocator does when it frees its cache);
+        True if it did."""
+        head = self._segments.get(address)
+        if head is None or head.allocated or head.is_split:
+            return False
+        self._release_segment(self._pools[head.small], head)
+        return True
+
     def reset_peak(self) -> None:
         """Start new peaks from the current values (``torch.cuda.reset_peak_memory_stats()``)."""
         self._max_allocated = self.max_allocated

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from lightning_memtrace.capture.allocation_state import LiveAllocation
+from lightning_memtrace.capture.storages import memory_tensors
 from lightning_memtrace.estimator.allocator_settings import AllocatorSettings
 from lightning_memtrace.estimator.caching_allocator import Block, CachingAllocatorModel, SimulatedOutOfMemory
 
@@ -47,8 +48,9 @@ class ModelledCudaAllocator:
         self._allocations = 0
 
     def place_module(self, module: nn.Module) -> None:
-        """Allocate ``module``'s parameters and buffers now, in ``module.to()``'s order (tied ones once)."""
-        for tensor in _applied_in_order(module):
+        """Allocate ``module``'s parameters and buffers now, in ``module.to()``'s order (tied ones once; a sharded
+        parameter's local shard). What the tracker does not count by the first row is given back then."""
+        for tensor in memory_tensors(_applied_in_order(module)):
             storage = tensor.untyped_storage()
             key = storage._cdata
             nbytes = storage.nbytes()
@@ -91,6 +93,9 @@ class ModelledCudaAllocator:
         return self.model.max_reserved
 
     def read(self) -> tuple[int, int, int]:
+        for held in self._placed.values():  # placed, and not counted by the tracker: not the run's memory
+            self._free(held)
+        self._placed.clear()
         model = self.model
         allocated, reserved, peak = model.allocated, model.reserved, max(model.peak_allocated, model.allocated)
         model.reset_peak()
