@@ -11,8 +11,8 @@ from torch import nn
 
 from lightning_memtrace.cli.estimate import main
 from lightning_memtrace.estimator import estimate, estimate_from_config
-from lightning_memtrace.estimator.allocator_settings import AllocatorSettings
-from lightning_memtrace.estimator.caching_allocator import CachingAllocatorModel
+from lightning_memtrace.analysis.allocator_settings import AllocatorSettings
+from lightning_memtrace.analysis.caching_allocator import CachingAllocatorModel
 from lightning_memtrace.models import TINY_QWEN2_CONFIG
 from lightning_memtrace.units import format_bytes
 
@@ -69,6 +69,7 @@ def test_the_allocators_settings_come_from_the_environment(no_workspaces, monkey
     # one 20 MiB page mapped for the large pool, one 2 MiB page for the small: the same 22 MiB here
     assert expandable.peak_reserved_bytes == 22 * MIB
     assert expandable.allocator_log is not None and expandable.allocator_log.settings.expandable_segments
+    assert expandable.allocator_needs_expandable() is None  # on already: nothing to compare with
 
 
 def test_served_again_the_log_gives_the_rows_numbers(no_workspaces):
@@ -100,6 +101,12 @@ def test_what_the_allocator_needs_lies_between_the_peak_and_what_it_reserves_unh
     assert est.allocator_fits(est.peak_reserved_bytes) and not est.allocator_fits(est.peak_bytes)
     assert est.as_dict()["allocator_needs_bytes"] == needs
     assert est.as_dict()["peak_reserved_bytes"] == est.peak_reserved_bytes
+    # the same requests with expandable segments: one growing segment per pool, 20 MiB pages for the large one
+    expandable = est.allocator_needs_expandable()
+    settings = AllocatorSettings(expandable_segments=True)
+    assert expandable % (2 * MIB) == 0 and est.peak_bytes < expandable
+    assert est.allocator_log.serves_within(expandable, settings)
+    assert not est.allocator_log.serves_within(expandable - 2 * MIB, settings)
     # every row's reserved is whole segments, never below what is allocated
     assert all(r.reserved_bytes % (2 * MIB) == 0 and r.reserved_bytes >= r.allocated_bytes for r in est.records)
 
@@ -117,11 +124,14 @@ def test_the_table_and_the_command_show_reserved_and_what_the_allocator_needs(ti
     short = needs - 2 * MIB
     assert main([*args, "--device-memory", str(short)]) == 0  # the peak fits: the exit status still says so
     out = capsys.readouterr().out
+    expandable = est.allocator_needs_expandable()
     assert f"the caching allocator needs {format_bytes(needs)} ({needs:,} B)" in out
-    assert out.count("it runs out") == 1
+    assert f"(in {format_bytes(short)} it runs out)" in out
+    assert f"with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True it needs {format_bytes(expandable)}" in out
     main([*args, "--device-memory", str(needs), "--json"])
     payload = json.loads(capsys.readouterr().out)
     assert payload["allocator_fits"] is True and payload["estimate"]["allocator_needs_bytes"] == needs
+    assert payload["estimate"]["allocator_needs_expandable_bytes"] == expandable
     main([*args, "--device-memory", str(short), "--json"])
     assert json.loads(capsys.readouterr().out)["allocator_fits"] is False
 

@@ -5,7 +5,7 @@ Skipped without CUDA. The estimate counts what PyTorch allocates through its cac
 
 - cuBLAS workspaces (allocated through the caching allocator, per thread and stream): estimated, one for the
   forward's thread and one for the backward's (:mod:`lightning_memtrace.estimator.blas_workspace`), checked below;
-- the caching allocator's rounding: modelled (:mod:`lightning_memtrace.estimator.caching_allocator`: blocks of 512 B,
+- the caching allocator's rounding: modelled (:mod:`lightning_memtrace.analysis.caching_allocator`: blocks of 512 B,
   the whole blocks it does not cut, and the segments it reserves, checked below against ``max_memory_reserved``);
 - kernels that allocate workspaces of their own (cuDNN, fused or flash/memory-efficient attention: the reference
   configs use eager attention, so none here) and autocast's weight cache under ``bf16-mixed``.

@@ -1,6 +1,6 @@
 """A snapshot's trace driven through the caching allocator's model: the same blocks at the same addresses.
 
-The model (:mod:`~lightning_memtrace.estimator.caching_allocator`) is what the estimate's ``reserved_bytes`` come
+The model (:mod:`~lightning_memtrace.analysis.caching_allocator`) is what the estimate's ``reserved_bytes`` come
 from; a real snapshot's trace is where it can be checked against the GPU's own allocator. :func:`replay_allocator`
 starts the model from the segments that existed when the trace began (the snapshot's segments less those the trace
 makes; in them, the blocks alive at the dump that the trace never touches, and those whose first event is a free),
@@ -15,9 +15,9 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from lightning_memtrace.estimator.allocator_blocks import Block
-from lightning_memtrace.estimator.allocator_settings import AllocatorSettings
-from lightning_memtrace.estimator.caching_allocator import MIN_BLOCK, SMALL_SIZE, CachingAllocatorModel
+from lightning_memtrace.analysis.allocator_blocks import Block
+from lightning_memtrace.analysis.allocator_settings import AllocatorSettings
+from lightning_memtrace.analysis.caching_allocator import MIN_BLOCK, SMALL_SIZE, CachingAllocatorModel
 
 #: Traces longer than this are not served again for a what-if (a few microseconds an event).
 MAX_EVENTS = 500_000

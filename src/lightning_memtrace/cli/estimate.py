@@ -275,16 +275,25 @@ def _fit_line(budget_bytes: int, shown: Any, fits: bool) -> str:
 
 
 def _allocator_line(budget_bytes: int | None, shown: Any) -> str:
-    """What the caching allocator needs for the run, fragmentation included, and whether the budget holds it."""
+    """What the caching allocator needs for the run, fragmentation included, whether the budget holds it, and what it
+    would need with expandable segments."""
+
+    def verdict(needs: int) -> str:
+        if budget_bytes is None:
+            return ""
+        return f" (in {format_bytes(budget_bytes)} it {'serves it' if needs <= budget_bytes else 'runs out'})"
+
     needs = shown.allocator_needs()
     line = (
         f"the caching allocator needs {format_bytes(needs)} ({needs:,} B) to serve every request, fragmentation "
-        f"included (it reserves up to {format_bytes(shown.peak_reserved_bytes)} where nothing makes it free its cache)"
+        f"included{verdict(needs)}; it reserves up to {format_bytes(shown.peak_reserved_bytes)} where nothing makes "
+        "it free its cache"
     )
-    if budget_bytes is None:
-        return line
-    verdict = "serves it" if shown.allocator_fits(budget_bytes) else "runs out"
-    return f"{line}; in {format_bytes(budget_bytes)} it {verdict}"
+    expandable = shown.allocator_needs_expandable()
+    if expandable is not None:
+        line += f"; with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True it needs {format_bytes(expandable)}"
+        line += verdict(expandable)
+    return line
 
 
 def _search_line(budget_bytes: int, search: Any) -> str:
@@ -378,6 +387,8 @@ def _run_what_if(args: argparse.Namespace) -> int:
         print(json.dumps({**result.as_dict(), "fits": fits}, indent=2))
     else:
         print(shown.table())
+        if shown.allocator:
+            print(_allocator_line(None, shown))
         print(result.table())
     return NOT_FIT_EXIT if fits is False else 0
 

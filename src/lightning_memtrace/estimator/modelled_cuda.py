@@ -1,7 +1,7 @@
 """The counters of a CUDA run, from the caching allocator's model driven by the estimate's fake allocations.
 
 Where the estimate's target is CUDA, every storage the tracker counts (and every kernel's scratch, and every buffer a
-library keeps) is also asked of a :class:`~lightning_memtrace.estimator.caching_allocator.CachingAllocatorModel`, so
+library keeps) is also asked of a :class:`~lightning_memtrace.analysis.caching_allocator.CachingAllocatorModel`, so
 the rows' ``allocated_bytes`` and ``peak_bytes`` are what ``torch.cuda.memory_allocated()`` would report (blocks:
 rounded to 512 B, whole where the allocator does not cut them) and ``reserved_bytes`` what
 ``torch.cuda.memory_reserved()`` would. The categories stay the tensors' own bytes; the difference is in ``other``,
@@ -23,8 +23,8 @@ from torch import nn
 
 from lightning_memtrace.capture.allocation_state import LiveAllocation
 from lightning_memtrace.capture.storages import memory_tensors
-from lightning_memtrace.estimator.allocator_settings import AllocatorSettings
-from lightning_memtrace.estimator.caching_allocator import Block, CachingAllocatorModel, SimulatedOutOfMemory
+from lightning_memtrace.analysis.allocator_settings import AllocatorSettings
+from lightning_memtrace.analysis.caching_allocator import Block, CachingAllocatorModel, SimulatedOutOfMemory
 
 
 class ModelledCudaAllocator:
@@ -115,10 +115,10 @@ class AllocatorLog:
     settings: AllocatorSettings
     ops: Sequence[int]
 
-    def serves_within(self, capacity: int) -> bool:
+    def serves_within(self, capacity: int, settings: AllocatorSettings | None = None) -> bool:
         """Whether the allocator, able to reserve ``capacity`` bytes at most, serves every request (freeing its
-        cache where it must, as torch's does before an out-of-memory error)."""
-        model = CachingAllocatorModel(self.settings, capacity=int(capacity))
+        cache where it must, as torch's does before an out-of-memory error); under other ``settings`` if given."""
+        model = CachingAllocatorModel(settings or self.settings, capacity=int(capacity))
         blocks: list[Block | None] = []
         try:
             for op in self.ops:

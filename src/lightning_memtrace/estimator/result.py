@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from lightning_memtrace.estimator.caching_allocator import ROUND_LARGE as SEGMENT_UNIT
+from lightning_memtrace.analysis.caching_allocator import ROUND_LARGE as SEGMENT_UNIT
+from lightning_memtrace.analysis.allocator_settings import AllocatorSettings
 from lightning_memtrace.estimator.modelled_cuda import AllocatorLog
 from lightning_memtrace.estimator.closed_form import ClosedForm
 from lightning_memtrace.types import SHARDED_CATEGORIES, Category, Phase, PhaseRecord
@@ -52,7 +53,7 @@ class Estimate:
             forward's thread and one for the backward's (``other`` in the rows; see
             :mod:`~lightning_memtrace.estimator.blas_workspace`); 0 for a CPU target.
         allocator: For a CUDA target, the caching allocator's settings the rows were modelled with (``defaults``,
-            ``expandable segments``...; see :mod:`~lightning_memtrace.estimator.caching_allocator`): the rows'
+            ``expandable segments``...; see :mod:`~lightning_memtrace.analysis.caching_allocator`): the rows'
             ``allocated_bytes`` and ``peak_bytes`` are then the allocator's blocks and ``reserved_bytes`` its
             segments. Empty for a CPU target (reserved equals allocated).
         allocator_log: The requests and frees the modelled allocator served (see :meth:`allocator_fits`); None for a
@@ -112,21 +113,30 @@ class Estimate:
             return True
         return self.allocator_log.serves_within(capacity)
 
-    def allocator_needs(self) -> int | None:
-        """The least ``capacity`` for which :meth:`allocator_fits` holds (a multiple of 2 MiB, as segments are);
-        None for a CPU target."""
-        if self.allocator_log is None:
+    def allocator_needs(self, settings: AllocatorSettings | None = None) -> int | None:
+        """The least ``capacity`` for which :meth:`allocator_fits` holds (a multiple of 2 MiB, as segments are), or
+        would hold under other ``settings`` (``expandable_segments``...); None for a CPU target."""
+        log = self.allocator_log
+        if log is None:
             return None
         unit = SEGMENT_UNIT
-        low, high = max(0, self.peak_bytes - 1) // unit, -(-(self.peak_reserved_bytes or 0) // unit)
-        # in units: `low` never serves (below the peak), `high` always does (what the run reserved unhindered)
+        low = max(0, self.peak_bytes - 1) // unit  # below the peak: never serves
+        high = -(-(self.peak_reserved_bytes or 0) // unit)  # what the run reserved unhindered: always serves
+        while not log.serves_within(high * unit, settings):  # other settings may need more than these reserved
+            low, high = high, 2 * high
         while high - low > 1:
             middle = (low + high) // 2
-            if self.allocator_log.serves_within(middle * unit):
+            if log.serves_within(middle * unit, settings):
                 high = middle
             else:
                 low = middle
         return high * unit
+
+    def allocator_needs_expandable(self) -> int | None:
+        """:meth:`allocator_needs` with ``expandable_segments:True`` where the run has them off, else None."""
+        if self.allocator_log is None or self.allocator_log.settings.expandable_segments:
+            return None
+        return self.allocator_needs(dataclasses.replace(self.allocator_log.settings, expandable_segments=True))
 
     @property
     def peak_record(self) -> PhaseRecord | None:
@@ -196,6 +206,7 @@ class Estimate:
             "peak_bytes": self.peak_bytes,
             "peak_reserved_bytes": self.peak_reserved_bytes,
             "allocator_needs_bytes": self.allocator_needs(),
+            "allocator_needs_expandable_bytes": self.allocator_needs_expandable(),
             "phase_peaks": {p.value: v for p, v in self.phase_peaks().items()},
             "categories": {c.value: v for c, v in self.category_bytes().items()},
             "closed_form": self.closed_form.as_dict(),

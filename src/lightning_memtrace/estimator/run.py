@@ -39,8 +39,8 @@ from lightning_memtrace.estimator.fake import (
 )
 from lightning_memtrace.estimator.inputs import Precision, batch_dims
 from lightning_memtrace.estimator.blas_workspace import CublasWorkspaces, workspace_bytes
-from lightning_memtrace.estimator.allocator_settings import AllocatorSettings
-from lightning_memtrace.estimator.caching_allocator import CachingAllocatorModel
+from lightning_memtrace.analysis.allocator_settings import AllocatorSettings
+from lightning_memtrace.analysis.caching_allocator import CachingAllocatorModel
 from lightning_memtrace.estimator.modelled_cuda import ModelledCudaAllocator
 from lightning_memtrace.estimator.cuda_autocast import cuda_autocast_policy
 from lightning_memtrace.estimator.kernel_scratch import KernelScratch

@@ -29,8 +29,8 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from lightning_memtrace.estimator.allocator_blocks import Block, ExpandableSegment, Pool, expandable_size, segment_heads
-from lightning_memtrace.estimator.allocator_settings import AllocatorSettings
+from lightning_memtrace.analysis.allocator_blocks import Block, ExpandableSegment, Pool, expandable_size, segment_heads
+from lightning_memtrace.analysis.allocator_settings import AllocatorSettings
 
 #: ``kMinBlockSize``: every request is rounded up to a multiple of this.
 MIN_BLOCK = 512

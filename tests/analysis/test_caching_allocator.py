@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_memtrace.estimator.allocator_settings import AllocatorSettings
-from lightning_memtrace.estimator.caching_allocator import CachingAllocatorModel, SimulatedOutOfMemory, allocation_size
+from lightning_memtrace.analysis.allocator_settings import AllocatorSettings
+from lightning_memtrace.analysis.caching_allocator import CachingAllocatorModel, SimulatedOutOfMemory, allocation_size
 
 MIB = 1 << 20
 
