@@ -3,10 +3,13 @@ expandable segments would have reserved."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from lightning_memtrace.analysis.allocator_replay import expandable_segments_what_if, replay_allocator
-from lightning_memtrace.analysis.findings import fragmentation_finding
+from lightning_memtrace.analysis.caching_allocator import CachingAllocatorModel, SimulatedOutOfMemory
+from lightning_memtrace.analysis.findings import fragmentation_finding, oom_findings
 from lightning_memtrace.analysis.loader import load_snapshot
 from lightning_memtrace.analysis.replay import replay
 from shared_files import fixture_path
@@ -58,12 +61,15 @@ def test_a_trace_the_model_cannot_explain_is_refused():
 
 def test_what_expandable_segments_would_have_reserved_for_a_real_training_step():
     snapshot = load_snapshot(fixture_path(KKAITLYN)).data
-    recorded, expandable = expandable_segments_what_if(snapshot)
-    assert recorded == sum(s["total_size"] for s in snapshot["segments"]) == 61_111_009_280  # its peak: at the dump
+    served = expandable_segments_what_if(snapshot)
+    # its peak reserved is at the dump
+    assert served.reserved_bytes == sum(s["total_size"] for s in snapshot["segments"]) == 61_111_009_280
     # the same requests, from the blocks alive when the trace began, in one growing segment per pool
-    assert expandable == 55_511_613_440
+    assert served.expandable_reserved_bytes == 55_511_613_440
+    assert (served.oom_requested_bytes, served.oom_served) == (None, None)  # the step did not run out
     shreyansh = load_snapshot(fixture_path("shreyansh26_profile_grad.pkl")).data
-    assert expandable_segments_what_if(shreyansh) == (4_439_670_784, 4_448_059_392)  # 20 MiB pages: no saving
+    served = expandable_segments_what_if(shreyansh)
+    assert (served.reserved_bytes, served.expandable_reserved_bytes) == (4_439_670_784, 4_448_059_392)  # no saving
 
 
 def test_the_fragmentation_findings_name_what_expandable_segments_would_save():
@@ -74,8 +80,8 @@ def test_the_fragmentation_findings_name_what_expandable_segments_would_save():
         "with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True the caching allocator's model, served this trace, "
         "reserves at most 51.7 GiB where it reserved 56.9 GiB (5.2 GiB less)"
     )
-    replay_of.snapshot = None  # a replay made without the snapshot's data: the finding as it was
-    (plain,) = fragmentation_finding(replay_of)
+    without = dataclasses.replace(replay_of, snapshot=None)  # made without the snapshot's data: the finding as it was
+    (plain,) = fragmentation_finding(without)
     assert plain.message.endswith("little fragmentation") and "expandable_reserved_bytes" not in plain.numbers
 
 
@@ -90,3 +96,57 @@ def test_the_fragmentation_findings_name_what_expandable_segments_would_save():
 )
 def test_a_trace_that_cannot_be_served_gives_no_figure(trace):
     assert expandable_segments_what_if({"segments": [], "device_traces": [trace]}) is None
+
+
+def _snapshot_of_an_oom(blocks: int, limit: int) -> dict:
+    """A snapshot as torch dumps one at an out-of-memory error, made by the caching allocator's model under a limit
+    of ``limit`` bytes: ``blocks`` blocks of 8 MiB (two to a 20 MiB segment), every other one freed, then a 12 MiB
+    request that no free piece (8 or 4 MiB) holds."""
+    trace: list[dict] = []
+    where = [1 << 32]
+
+    def segment_at(size: int) -> int:
+        addr, where[0] = where[0], where[0] + size + 2 * MIB
+        trace.append({"action": "segment_alloc", "addr": addr, "size": size, "stream": 0})
+        return addr
+
+    model = CachingAllocatorModel(capacity=limit, segment_address=segment_at)
+    made = []
+    for _ in range(blocks):
+        block = model.malloc(8 * MIB)
+        trace.append({"action": "alloc", "addr": block.addr, "size": 8 * MIB, "stream": 0})
+        made.append((block, block.addr))
+    for block, addr in made[::2]:
+        model.free(block)
+        trace += [{"action": action, "addr": addr, "size": 8 * MIB, "stream": 0}
+                  for action in ("free_requested", "free_completed")]
+    with pytest.raises(SimulatedOutOfMemory):
+        model.malloc(12 * MIB)
+    trace.append({"action": "oom", "device_free": limit - model.reserved, "size": 12 * MIB, "stream": 0})
+    return {"segments": model.segments(), "device_traces": [trace], "allocator_settings": {}}
+
+
+def test_an_out_of_memory_error_expandable_segments_would_have_avoided():
+    # six blocks in three segments, 60 MiB: 24 MiB live and 36 MiB free, in pieces of 8 and 4 MiB
+    snapshot = _snapshot_of_an_oom(blocks=6, limit=60 * MIB)
+    served = expandable_segments_what_if(snapshot)
+    assert (served.reserved_bytes, served.oom_requested_bytes, served.oom_served) == (60 * MIB, 12 * MIB, True)
+    # with expandable segments the six blocks lie end to end in one segment: the freed ones and its 12 MiB tail
+    assert served.expandable_reserved_bytes == 60 * MIB
+    (finding,) = oom_findings(replay(snapshot))
+    assert finding.numbers["expandable_serves"] is True
+    assert finding.message.endswith(
+        ": fragmentation; with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True the caching allocator's model, served "
+        "this trace in the memory the GPU had, serves this request and every one before it"
+    )
+
+
+def test_an_out_of_memory_error_no_allocator_setting_avoids():
+    # four blocks in two segments, 40 MiB: 16 MiB live; end to end in one segment the free pieces are 8 MiB each,
+    # and no 20 MiB page is wholly free to map again past the last block
+    snapshot = _snapshot_of_an_oom(blocks=4, limit=40 * MIB)
+    served = expandable_segments_what_if(snapshot)
+    assert (served.oom_requested_bytes, served.oom_served) == (12 * MIB, False)
+    (finding,) = oom_findings(replay(snapshot))
+    assert finding.numbers["expandable_serves"] is False
+    assert finding.message.endswith("runs out too: expandable segments would not have avoided this error")

@@ -1,4 +1,4 @@
-"""The CUDA caching allocator's model: torch's rules one by one (real GPUs' traces: tests/analysis/test_allocator_replay.py)."""
+"""The CUDA caching allocator's model: torch's rules one by one (real GPUs' traces: test_allocator_replay.py)."""
 
 from __future__ import annotations
 

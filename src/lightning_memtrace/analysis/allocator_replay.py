@@ -17,7 +17,12 @@ from typing import Any
 
 from lightning_memtrace.analysis.allocator_blocks import Block
 from lightning_memtrace.analysis.allocator_settings import AllocatorSettings
-from lightning_memtrace.analysis.caching_allocator import MIN_BLOCK, SMALL_SIZE, CachingAllocatorModel
+from lightning_memtrace.analysis.caching_allocator import (
+    MIN_BLOCK,
+    SMALL_SIZE,
+    CachingAllocatorModel,
+    SimulatedOutOfMemory,
+)
 
 #: Traces longer than this are not served again for a what-if (a few microseconds an event).
 MAX_EVENTS = 500_000
@@ -33,12 +38,16 @@ class AllocatorReplay:
         misplaced: Allocations the model put at another address than the trace's.
         new_segments: Segments the model asked CUDA for during the trace (the trace's ``segment_alloc`` events, where
             the model matches).
+        oom: At the trace's first out-of-memory error: the most the allocator could have reserved then (what it
+            reserved, and what CUDA said was free) and the request that failed; None where there is none. The
+            replay stops there.
     """
 
     model: CachingAllocatorModel
     allocations: int = 0
     misplaced: int = 0
     new_segments: int = 0
+    oom: tuple[int, int] | None = None
 
 
 def replay_allocator(snapshot: Mapping[str, Any], device: int = 0) -> AllocatorReplay:
@@ -79,7 +88,10 @@ def replay_allocator(snapshot: Mapping[str, Any], device: int = 0) -> AllocatorR
                 raise ValueError(f"the trace frees {int(event['addr']):#x}, which the model does not hold")
             model.free(held)
         elif action == "segment_free" and not model.release_segment(int(event["addr"])):
-            raise ValueError(f"the trace gives back segment {int(event['addr']):#x}, which the model does not hold free")
+            raise ValueError(f"the trace gives back segment {int(event['addr']):#x}, which the model holds in use")
+        elif action == "oom":
+            replay.oom = (model.reserved + int(event.get("device_free", 0) or 0), int(event["size"]))
+            break
     replay.new_segments = model.segment_allocs - before
     return replay
 
@@ -157,44 +169,80 @@ def _whole_blocks(held: list[tuple[int, int, int]], end: int, small: bool) -> li
     return out
 
 
-def reserved_with(snapshot: Mapping[str, Any], settings: AllocatorSettings, device: int = 0) -> int:
-    """The most the allocator would reserve serving ``snapshot``'s trace of ``device`` under ``settings``: the blocks
-    alive when the trace began asked for first (in the order of their addresses), then every allocation and free.
+@dataclasses.dataclass(frozen=True)
+class ExpandableWhatIf:
+    """What a snapshot's trace would have reserved with ``expandable_segments:True``.
+
+    Attributes:
+        reserved_bytes: The most the allocator reserved over the trace as it ran (the model serving it again).
+        expandable_reserved_bytes: The most it would reserve with expandable segments.
+        oom_requested_bytes: The request the trace's first out-of-memory error failed on (None: it has none).
+        oom_served: Whether, with expandable segments and the memory the GPU had then (what was reserved and what
+            CUDA said was free), every request up to that one and that one would have been served (None: no error).
+    """
+
+    reserved_bytes: int
+    expandable_reserved_bytes: int
+    oom_requested_bytes: int | None = None
+    oom_served: bool | None = None
+
+
+def reserved_with(
+    snapshot: Mapping[str, Any], settings: AllocatorSettings, device: int = 0, capacity: int | None = None
+) -> tuple[int, bool]:
+    """Serve ``snapshot``'s trace of ``device`` under ``settings``: the blocks alive when the trace began asked for
+    first (in the order of their addresses), then every allocation and free, up to the trace's first out-of-memory
+    error and its request. Returns the most reserved and whether every request was served (with ``capacity``, the
+    most the allocator may reserve; unlimited: always).
 
     Raises:
         ValueError: the trace frees a block the model does not hold, or there is no trace.
     """
     trace, segments, made = _trace_of(snapshot, device)
-    model = CachingAllocatorModel(settings)
+    model = CachingAllocatorModel(settings, capacity=capacity)
     live: dict[int, Block] = {}
-    for _, _, held in _starting_segments(model, segments, trace, made):
-        for addr, _, requested in held:
-            live[addr] = model.malloc(requested)
-    for event in trace:
-        action = event.get("action")
-        if action == "alloc":
-            live[int(event["addr"])] = model.malloc(int(event["size"]), int(event.get("stream", 0) or 0))
-        elif action == "free_completed":
-            held_block = live.pop(int(event["addr"]), None)
-            if held_block is None:
-                raise ValueError(f"the trace frees {int(event['addr']):#x}, which the model does not hold")
-            model.free(held_block)
-    return model.max_reserved
+    try:
+        for _, _, held in _starting_segments(model, segments, trace, made):
+            for addr, _, requested in held:
+                live[addr] = model.malloc(requested)
+        for event in trace:
+            action = event.get("action")
+            if action == "alloc":
+                live[int(event["addr"])] = model.malloc(int(event["size"]), int(event.get("stream", 0) or 0))
+            elif action == "free_completed":
+                held_block = live.pop(int(event["addr"]), None)
+                if held_block is None:
+                    raise ValueError(f"the trace frees {int(event['addr']):#x}, which the model does not hold")
+                model.free(held_block)
+            elif action == "oom":
+                model.malloc(int(event["size"]), int(event.get("stream", 0) or 0))
+                break
+    except SimulatedOutOfMemory:
+        return model.max_reserved, False
+    return model.max_reserved, True
 
 
-def expandable_segments_what_if(snapshot: Mapping[str, Any], device: int = 0) -> tuple[int, int] | None:
-    """``(reserved, with expandable segments)``: the most the allocator reserved over the trace as it ran (served
-    again by the model, which must put every block where the GPU did), and the most it would with
-    ``expandable_segments:True``. None where the trace is longer than :data:`MAX_EVENTS` or the model cannot serve it
-    as the GPU did (the snapshot is untrusted: any failure is None)."""
+def expandable_segments_what_if(snapshot: Mapping[str, Any], device: int = 0) -> ExpandableWhatIf | None:
+    """What ``snapshot``'s trace would have reserved with ``expandable_segments:True``, and whether its out-of-memory
+    error would have happened. None where the trace is longer than :data:`MAX_EVENTS`, the snapshot ran with
+    expandable segments already, or the model cannot serve its trace as the GPU did (the snapshot is untrusted: any
+    failure is None)."""
     try:
         traces = snapshot.get("device_traces") or []
         if device >= len(traces) or not traces[device] or len(traces[device]) > MAX_EVENTS:
             return None
+        recorded_settings = AllocatorSettings.from_snapshot(snapshot)
+        if recorded_settings.expandable_segments:
+            return None
         recorded = replay_allocator(snapshot, device)
         if recorded.misplaced:
             return None
-        settings = dataclasses.replace(AllocatorSettings.from_snapshot(snapshot), expandable_segments=True)
-        return recorded.model.max_reserved, reserved_with(snapshot, settings, device)
+        settings = dataclasses.replace(recorded_settings, expandable_segments=True)
+        expandable, _ = reserved_with(snapshot, settings, device)
+        if recorded.oom is None:
+            return ExpandableWhatIf(recorded.model.max_reserved, expandable)
+        capacity, requested = recorded.oom
+        _, served = reserved_with(snapshot, settings, device, capacity=capacity)
+        return ExpandableWhatIf(recorded.model.max_reserved, expandable, requested, served)
     except Exception:  # noqa: BLE001 - an untrusted file's trace: no figure rather than a failed summary
         return None

@@ -8,7 +8,6 @@ from typing import Any
 
 import pandas as pd
 
-from lightning_memtrace.analysis.allocator_replay import expandable_segments_what_if
 from lightning_memtrace.analysis.growth import growth
 from lightning_memtrace.analysis.model import Replay
 from lightning_memtrace.capture.ddp_buckets import bucket_view_saving
@@ -163,7 +162,9 @@ def fragmentation_finding(replay: Replay) -> list[Finding]:
         return []
     extra = reserved - total
     ratio = extra / total
-    numbers: dict[str, Any] = {"reserved_bytes": reserved, "allocated_bytes": total, "extra_bytes": extra, "ratio": ratio}
+    numbers: dict[str, Any] = {
+        "reserved_bytes": reserved, "allocated_bytes": total, "extra_bytes": extra, "ratio": ratio
+    }
     expandable_on = bool(replay.allocator_settings.get("expandable_segments", False))
     modelled = "" if expandable_on or ratio < 0.05 else _expandable_note(replay, numbers)
     if ratio >= 0.2:
@@ -193,12 +194,10 @@ _SAVING_SHOWN_BYTES, _SAVING_SHOWN_SHARE = 64 * 1024**2, 0.01
 def _expandable_note(replay: Replay, numbers: dict[str, Any]) -> str:
     """``"; served again with expandable_segments:True ..."`` where the caching allocator's model, serving the
     trace as the GPU did, would reserve clearly less with expandable segments (and that figure in ``numbers``)."""
-    if replay.snapshot is None:
-        return ""
-    served = expandable_segments_what_if(replay.snapshot, replay.main.device)
+    served = replay.expandable_what_if
     if served is None:
         return ""
-    recorded, expandable = served
+    recorded, expandable = served.reserved_bytes, served.expandable_reserved_bytes
     saving = recorded - expandable
     numbers["expandable_reserved_bytes"] = expandable
     if saving < max(_SAVING_SHOWN_BYTES, _SAVING_SHOWN_SHARE * recorded):
@@ -282,15 +281,36 @@ def oom_findings(replay: Replay) -> list[Finding]:
     """The first three out-of-memory events of the trace."""
     tl = replay.main.timeline
     out = []
-    for row in replay.main.oom_rows[:3]:
+    for index, row in enumerate(replay.main.oom_rows[:3]):
         size = int(tl["size"].iat[row])
         live = int(tl["live_bytes"].iat[row])
         message = (
             f"out of memory {_where(str(tl['phase'].iat[row]), int(tl['step'].iat[row]))}: {format_bytes(size)} "
             f"({size:,} B) requested with {format_bytes(live)} live"
         )
-        out.append(Finding("oom", message, Severity.WARNING, {"requested_bytes": size, "live_bytes": live, "row": row}))
+        numbers: dict[str, Any] = {"requested_bytes": size, "live_bytes": live, "row": row}
+        if index == 0:
+            message += _expandable_oom_note(replay, numbers)
+        out.append(Finding("oom", message, Severity.WARNING, numbers))
     return out
+
+
+def _expandable_oom_note(replay: Replay, numbers: dict[str, Any]) -> str:
+    """Whether the caching allocator's model, serving the trace with expandable segments in the memory the GPU had,
+    gets past the first out-of-memory error (and that in ``numbers``); empty where it cannot tell."""
+    served = replay.expandable_what_if
+    if served is None or served.oom_served is None:
+        return ""
+    numbers["expandable_serves"] = served.oom_served
+    if served.oom_served:
+        return (
+            ": fragmentation; with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True the caching allocator's model, "
+            "served this trace in the memory the GPU had, serves this request and every one before it"
+        )
+    return (
+        "; with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True the caching allocator's model, served this trace in "
+        "the memory the GPU had, runs out too: expandable segments would not have avoided this error"
+    )
 
 
 #: DDP's buckets below this share of the peak get no finding.

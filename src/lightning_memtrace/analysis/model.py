@@ -5,13 +5,16 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 
 from lightning_memtrace.analysis.events import scatter_add
 from lightning_memtrace.types import CATEGORIES
+
+if TYPE_CHECKING:
+    from lightning_memtrace.analysis.allocator_replay import ExpandableWhatIf
 
 SITE_COLUMNS = ["site", "file", "line", "function", "category", "bytes", "count"]
 
@@ -246,6 +249,17 @@ class Replay:
     categories: tuple[str, ...] = CATEGORIES
     category_rules: dict[str, str] = dataclasses.field(default_factory=dict)
     snapshot: dict[str, Any] | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    @cached_property
+    def expandable_what_if(self) -> ExpandableWhatIf | None:
+        """What the main device's trace would have reserved with ``expandable_segments:True`` (see
+        :func:`~lightning_memtrace.analysis.allocator_replay.expandable_segments_what_if`); None without the
+        snapshot's data or a trace the caching allocator's model serves as the GPU did."""
+        if self.snapshot is None or not self.devices:
+            return None
+        from lightning_memtrace.analysis.allocator_replay import expandable_segments_what_if
+
+        return expandable_segments_what_if(self.snapshot, self.main.device)
 
     @property
     def main(self) -> DeviceReplay:
