@@ -121,7 +121,7 @@ class Estimate:
             return None
         unit = SEGMENT_UNIT
         low = max(0, self.peak_bytes - 1) // unit  # below the peak: never serves
-        high = -(-(self.peak_reserved_bytes or 0) // unit)  # what the run reserved unhindered: always serves
+        high = max(1, -(-(self.peak_reserved_bytes or 0) // unit))  # what the run reserved unhindered: serves
         while not log.serves_within(high * unit, settings):  # other settings may need more than these reserved
             low, high = high, 2 * high
         while high - low > 1:
