@@ -11,6 +11,7 @@ from lightning_memtrace.analysis.allocator_replay import expandable_segments_wha
 from lightning_memtrace.analysis.caching_allocator import CachingAllocatorModel, SimulatedOutOfMemory
 from lightning_memtrace.analysis.findings import fragmentation_finding, oom_findings
 from lightning_memtrace.analysis.loader import load_snapshot
+from lightning_memtrace.analysis import replay as replay_module
 from lightning_memtrace.analysis.replay import replay
 from shared_files import fixture_path
 
@@ -150,3 +151,18 @@ def test_an_out_of_memory_error_no_allocator_setting_avoids():
     (finding,) = oom_findings(replay(snapshot))
     assert finding.numbers["expandable_serves"] is False
     assert finding.message.endswith("runs out too: expandable segments would not have avoided this error")
+
+
+def test_a_trace_the_model_places_otherwise_or_too_long_a_one_gives_no_figure(monkeypatch):
+    snapshot = _snapshot_of_an_oom(blocks=6, limit=60 * MIB)
+    moved = [dict(event) for event in snapshot["device_traces"][0]]
+    second = [i for i, event in enumerate(moved) if event["action"] == "alloc"][1]
+    moved[second]["addr"] += 4096  # not where the model puts it; its frees follow it there
+    for event in moved[second + 1:]:
+        if event.get("addr") == moved[second]["addr"] - 4096:
+            event["addr"] += 4096
+    assert replay_allocator({**snapshot, "device_traces": [moved]}).misplaced == 1
+    assert expandable_segments_what_if({**snapshot, "device_traces": [moved]}) is None
+    monkeypatch.setattr(replay_module, "MAX_EVENTS", len(snapshot["device_traces"][0]) - 1)
+    assert replay(snapshot).snapshot is None  # not kept where the trace is too long to serve again
+    assert replay(snapshot).expandable_what_if is None

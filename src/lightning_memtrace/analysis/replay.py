@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from lightning_memtrace.analysis.allocator_replay import MAX_EVENTS
 from lightning_memtrace.analysis.categories import CAT_CODE, infer_categories
 from lightning_memtrace.analysis.events import (
     ACTIONS,
@@ -583,7 +584,8 @@ def _replay(snapshot: Snapshot, source: str | None, rules: CategoryRules = NO_RU
         num_segments=len(segments),
         categories=rules.categories,
         category_rules=rules.as_dict(),
-        snapshot=snapshot.data,
+        # kept to serve the trace again for a finding (:mod:`.allocator_replay`), where it is short enough to be
+        snapshot=snapshot.data if sum(len(t) for t in traces) <= MAX_EVENTS else None,
     )
 
 
