@@ -4,7 +4,8 @@ A walk-through in the spirit of PyTorch's "Understanding GPU memory" tutorial, w
 
 1. the model is built from its ``config.json`` on the meta device (no weights, no download);
 2. its training step runs on fake tensors in Lightning's order, and the memory is read per phase and per category:
-   the same rows MemTrace writes during a real run;
+   the same rows MemTrace writes during a real run, with what CUDA's caching allocator would reserve (fragmentation
+   included) and need, with its default settings and with expandable segments;
 3. each remedy (checkpointing, precision, micro-batch, optimizer, LoRA, sharding) is applied and estimated again,
    and the cheapest combination that fits the card is printed with the Trainer arguments it assumes.
 
@@ -52,6 +53,14 @@ def main() -> None:
     print(
         f"\nThe peak, {format_bytes(today.peak_bytes)}, falls in the stretch ending at {peak.phase.value}: the "
         "activations saved for backward sit on top of parameters, gradients and AdamW's two moments."
+    )
+
+    needs, expandable = today.allocator_needs(), today.allocator_needs_expandable()
+    print(
+        f"\nCUDA's caching allocator (modelled) reserves up to {format_bytes(today.peak_reserved_bytes)} for this step "
+        f"where nothing makes it give memory back, and needs {format_bytes(needs)} to serve every request when it "
+        f"must free its cache first: {format_bytes(needs - today.peak_bytes)} of fragmentation above the peak. With "
+        f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True it would need {format_bytes(expandable)}."
     )
 
     print(f"\n2. What would fit {format_bytes(memory)}:")

@@ -17,7 +17,8 @@ Adam/AdamW, N·P for SGD with momentum).
 Fake tensors keep no storage of their own: the tracker counts them on the ``meta`` device (their storages' device),
 while the recorder's category counter matches their fake device. Where the target is CUDA and this machine has no CUDA,
 the steps run on fake CPU tensors with CUDA's defaults emulated (foreach optimizers, ``step`` tensors on the host, not
-counted, autocast on CUDA's op lists, cuBLAS's workspaces: see :func:`estimate`).
+counted, autocast on CUDA's op lists, cuBLAS's workspaces: see :func:`estimate`), and for any CUDA target the rows'
+allocated, reserved and peak bytes are what CUDA's caching allocator would count (``modelled_cuda``).
 
 Modules, in the order the data flows:
 
@@ -27,6 +28,8 @@ Modules, in the order the data flows:
 - ``attention``: SDPA's kernel on fake tensors, watched (and, for a CUDA target on CPU, stood in for);
 - ``cuda_autocast``: CUDA's autocast op lists on the CPU tensors standing in for CUDA ones;
 - ``blas_workspace``: cuBLAS's workspaces, one per thread that runs products, in a CUDA target's estimate;
+- ``modelled_cuda``: a CUDA target's counters from the caching allocator's model
+  (:mod:`~lightning_memtrace.analysis.caching_allocator`) that the fake run's allocations drive;
 - ``loop``: Lightning's automatic optimization loop, step for step, with the recorder's rows;
 - ``run``: :func:`estimate` and :func:`estimate_for_module`;
 - ``config``: a Hugging Face causal LM from its config on the meta device, :func:`estimate_from_config`;

@@ -174,7 +174,8 @@ class Estimate:
         return out
 
     def fits(self, device_memory: int) -> bool:
-        """Whether the peak fits in ``device_memory`` bytes (allocated bytes: leave room for the CUDA context)."""
+        """Whether the peak fits in ``device_memory`` bytes (allocated bytes: leave room for the CUDA context; for a
+        CUDA target, :meth:`allocator_fits` says whether the caching allocator, fragmentation included, serves it)."""
         return self.peak_bytes <= int(device_memory)
 
     def to_dataframe(self) -> Any:
