@@ -8,11 +8,11 @@ import dataclasses
 import pytest
 
 from lightning_memtrace.analysis.allocator_replay import expandable_segments_what_if, replay_allocator
-from lightning_memtrace.analysis.caching_allocator import CachingAllocatorModel, SimulatedOutOfMemory
 from lightning_memtrace.analysis.findings import fragmentation_finding, oom_findings
 from lightning_memtrace.analysis.loader import load_snapshot
 from lightning_memtrace.analysis import replay as replay_module
 from lightning_memtrace.analysis.replay import replay
+from allocator_snapshots import snapshot_of_an_oom
 from shared_files import fixture_path
 
 MIB = 1 << 20
@@ -99,37 +99,9 @@ def test_a_trace_that_cannot_be_served_gives_no_figure(trace):
     assert expandable_segments_what_if({"segments": [], "device_traces": [trace]}) is None
 
 
-def _snapshot_of_an_oom(blocks: int, limit: int) -> dict:
-    """A snapshot as torch dumps one at an out-of-memory error, made by the caching allocator's model under a limit
-    of ``limit`` bytes: ``blocks`` blocks of 8 MiB (two to a 20 MiB segment), every other one freed, then a 12 MiB
-    request that no free piece (8 or 4 MiB) holds."""
-    trace: list[dict] = []
-    where = [1 << 32]
-
-    def segment_at(size: int) -> int:
-        addr, where[0] = where[0], where[0] + size + 2 * MIB
-        trace.append({"action": "segment_alloc", "addr": addr, "size": size, "stream": 0})
-        return addr
-
-    model = CachingAllocatorModel(capacity=limit, segment_address=segment_at)
-    made = []
-    for _ in range(blocks):
-        block = model.malloc(8 * MIB)
-        trace.append({"action": "alloc", "addr": block.addr, "size": 8 * MIB, "stream": 0})
-        made.append((block, block.addr))
-    for block, addr in made[::2]:
-        model.free(block)
-        trace += [{"action": action, "addr": addr, "size": 8 * MIB, "stream": 0}
-                  for action in ("free_requested", "free_completed")]
-    with pytest.raises(SimulatedOutOfMemory):
-        model.malloc(12 * MIB)
-    trace.append({"action": "oom", "device_free": limit - model.reserved, "size": 12 * MIB, "stream": 0})
-    return {"segments": model.segments(), "device_traces": [trace], "allocator_settings": {}}
-
-
 def test_an_out_of_memory_error_expandable_segments_would_have_avoided():
     # six blocks in three segments, 60 MiB: 24 MiB live and 36 MiB free, in pieces of 8 and 4 MiB
-    snapshot = _snapshot_of_an_oom(blocks=6, limit=60 * MIB)
+    snapshot = snapshot_of_an_oom(blocks=6, limit=60 * MIB)
     served = expandable_segments_what_if(snapshot)
     assert (served.reserved_bytes, served.oom_requested_bytes, served.oom_served) == (60 * MIB, 12 * MIB, True)
     # with expandable segments the six blocks lie end to end in one segment: the freed ones and its 12 MiB tail
@@ -145,7 +117,7 @@ def test_an_out_of_memory_error_expandable_segments_would_have_avoided():
 def test_an_out_of_memory_error_no_allocator_setting_avoids():
     # four blocks in two segments, 40 MiB: 16 MiB live; end to end in one segment the free pieces are 8 MiB each,
     # and no 20 MiB page is wholly free to map again past the last block
-    snapshot = _snapshot_of_an_oom(blocks=4, limit=40 * MIB)
+    snapshot = snapshot_of_an_oom(blocks=4, limit=40 * MIB)
     served = expandable_segments_what_if(snapshot)
     assert (served.oom_requested_bytes, served.oom_served) == (12 * MIB, False)
     (finding,) = oom_findings(replay(snapshot))
@@ -154,7 +126,7 @@ def test_an_out_of_memory_error_no_allocator_setting_avoids():
 
 
 def test_a_trace_the_model_places_otherwise_or_too_long_a_one_gives_no_figure(monkeypatch):
-    snapshot = _snapshot_of_an_oom(blocks=6, limit=60 * MIB)
+    snapshot = snapshot_of_an_oom(blocks=6, limit=60 * MIB)
     moved = [dict(event) for event in snapshot["device_traces"][0]]
     second = [i for i, event in enumerate(moved) if event["action"] == "alloc"][1]
     moved[second]["addr"] += 4096  # not where the model puts it; its frees follow it there

@@ -315,3 +315,33 @@ def test_history_window_leaves_the_users_own_recording_on(monkeypatch):
     window.close(0)
     assert calls == []
     assert files.written == ["snapshot_rank0_steps0-0.pickle"]
+
+
+def test_a_cuda_post_mortem_says_whether_expandable_segments_would_have_served_the_request(monkeypatch, tmp_path):
+    """The snapshot taken at the error holds the allocator's trace: the caching allocator's model serves it again with
+    expandable segments in the memory the GPU had, and the advice follows what it finds."""
+    from allocator_snapshots import MIB, snapshot_of_an_oom
+
+    from lightning_memtrace import MemoryRecorder
+    from lightning_memtrace.analysis.postmortem import advice
+
+    _FakeCudaAllocator(monkeypatch, allocated=24 * MIB, reserved=60 * MIB, peak=24 * MIB, peak_reserved=60 * MIB)
+    error = RuntimeError("CUDA out of memory. Tried to allocate 12.00 MiB.")
+    found = {}
+    for blocks, limit in ((6, 60 * MIB), (4, 40 * MIB), (0, 0)):
+        recorder = MemoryRecorder(None, device="cuda:0", output_dir=tmp_path, history=False, post_mortem=False)
+        snapshot = snapshot_of_an_oom(blocks, limit) if blocks else {"segments": [], "device_traces": [[]]}
+        monkeypatch.setattr(recorder.window, "snapshot_now", lambda snapshot=snapshot: snapshot)
+        with recorder:
+            recorder.begin_batch(None, step=0)
+            recorder.on_cuda_oom(0, 12 * MIB, 24 * MIB, 0)
+            found[blocks] = recorder.oom.post_mortem(error)[0]
+    assert [found[b].expandable_serves for b in (6, 4, 0)] == [True, False, None]
+    assert found[6].as_dict()["expandable_serves"] is True
+    tips = advice(found[6])
+    expected = "Fragmentation ran it out: with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+    assert any(t.startswith(expected) for t in tips)
+    # reserved (60 MiB) is 2.5 x allocated (24 MiB): the fragmentation tip, and what the model found
+    assert any(t.endswith("(the caching allocator's model, serving this run's recorded requests again with it, runs "
+                          "out too).") for t in advice(found[4]))
+    assert any(t.endswith("try PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.") for t in advice(found[0]))

@@ -54,6 +54,11 @@ class PostMortem:
     #: Bytes of DDP's gradient buckets, a second copy of the gradients (``gradient_as_bucket_view=False``), among the
     #: ``other`` bytes; 0 where the run is not DDP's or its gradients are views of the buckets.
     ddp_bucket_bytes: int = 0
+    #: Whether the caching allocator's model, serving the snapshot's trace again with ``expandable_segments:True`` in
+    #: the memory the GPU had, serves the request that failed (see
+    #: :func:`~lightning_memtrace.analysis.allocator_replay.expandable_segments_what_if`); None where the snapshot
+    #: holds no trace of the error that the model serves as the GPU did.
+    expandable_serves: bool | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -129,11 +134,22 @@ def advice(pm: PostMortem) -> list[str]:
             f"DDP keeps its gradient buckets ({format_bytes(pm.ddp_bucket_bytes)}, counted in other) beside the "
             f"gradients, a second copy of them: {bucket_view_saving(pm.ddp_bucket_bytes)}."
         )
-    if pm.reserved_bytes > pm.allocated_bytes * 1.3 and pm.reserved_bytes > 0:
+    if pm.expandable_serves:
+        tips.append(
+            "Fragmentation ran it out: with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (set before the process "
+            "starts) the caching allocator's model, serving this run's recorded requests again in the memory the GPU "
+            "had, serves this one."
+        )
+    elif pm.reserved_bytes > pm.allocated_bytes * 1.3 and pm.reserved_bytes > 0:
+        outlook = (
+            " (the caching allocator's model, serving this run's recorded requests again with it, runs out too)"
+            if pm.expandable_serves is False
+            else ""
+        )
         tips.append(
             f"Reserved ({format_bytes(pm.reserved_bytes)}) exceeds allocated ({format_bytes(pm.allocated_bytes)}) by "
             f"{(pm.reserved_bytes / max(1, pm.allocated_bytes) - 1):.0%}: fragmentation; try "
-            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True."
+            f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True{outlook}."
         )
     if not tips and not has_what_if_table(pm):
         tips.append("Lower the micro-batch size or use a precision with fewer bytes per value (bf16-mixed).")

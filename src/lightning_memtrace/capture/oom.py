@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from lightning_memtrace.analysis.allocator_replay import expandable_segments_what_if
 from lightning_memtrace.analysis.growth import records_growth
 from lightning_memtrace.analysis.postmortem import (
     LiveBlock,
@@ -147,7 +148,16 @@ class OomCapture:
             dataloader_idx=dataloader_idx,
             growth=self._growth(),
             ddp_bucket_bytes=self.ddp_bucket_bytes,
+            expandable_serves=self._expandable_serves(state.get("snapshot")),
         ), state.get("snapshot")
+
+    def _expandable_serves(self, snapshot: dict[str, Any] | None) -> bool | None:
+        """Whether expandable segments would have served the failed request (a CUDA snapshot's trace, served again by
+        the caching allocator's model); None where it cannot tell."""
+        if not snapshot or self.device.type != "cuda":
+            return None
+        served = expandable_segments_what_if(snapshot, self.device.index or 0)
+        return served.oom_served if served is not None else None
 
     def _growth(self) -> dict[str, Any] | None:
         try:
