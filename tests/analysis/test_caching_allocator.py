@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from lightning_memtrace.analysis.allocator_settings import AllocatorSettings
@@ -120,3 +122,60 @@ def test_settings_from_the_environment_text_and_a_snapshot():
     assert AllocatorSettings().describe() == "defaults"
     recorded = {"allocator_settings": {"expandable_segments": True, "max_split_size": -1}}
     assert AllocatorSettings.from_snapshot(recorded) == AllocatorSettings(expandable_segments=True)
+
+
+def _check_invariants(model: CachingAllocatorModel) -> None:
+    """Segments tile into blocks, counters add up, the free pools hold exactly the free blocks, and (in cudaMalloc'd
+    segments) no two free blocks lie side by side: what every rule above keeps."""
+    segments = model.segments()
+    assert sum(s["total_size"] for s in segments) == model.reserved
+    blocks = [(s, b) for s in segments for b in s["blocks"]]
+    assert sum(b["size"] for _, b in blocks if b["state"] == "active_allocated") == model.allocated
+    pooled = sorted(key[1] for pool in model._pools.values() for key in pool.free.keys)
+    assert pooled == sorted(b["size"] for _, b in blocks if b["state"] == "inactive")
+    for segment in segments:
+        if segment["is_expandable"]:
+            continue
+        end, free_before = segment["address"], False
+        for block in segment["blocks"]:
+            assert block["address"] == end and block["size"] % 512 == 0
+            free = block["state"] == "inactive"
+            assert not (free and free_before)
+            end, free_before = block["address"] + block["size"], free
+        assert end == segment["address"] + segment["total_size"]
+
+
+@pytest.mark.parametrize("capacity", [None, 512 * MIB])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        AllocatorSettings(),
+        AllocatorSettings(max_split_size=32 * MIB),
+        AllocatorSettings(expandable_segments=True),
+        AllocatorSettings(roundup_power2_divisions=4),
+    ],
+    ids=lambda s: s.describe(),
+)
+def test_random_requests_and_frees_keep_the_allocators_invariants(settings, capacity):
+    rng = random.Random(7)
+    model = CachingAllocatorModel(settings, capacity=capacity)
+    live, refused = [], 0
+    for step in range(2000):
+        draw = rng.random()
+        if draw < 0.55 or not live:
+            low, high = rng.choice([(1, 4096), (1, MIB), (MIB, 12 * MIB), (10 * MIB, 64 * MIB)])
+            try:
+                live.append(model.malloc(rng.randint(low, high)))
+            except SimulatedOutOfMemory:
+                refused += 1
+        elif draw < 0.98:
+            model.free(live.pop(rng.randrange(len(live))))
+        else:
+            model.empty_cache()
+        if step % 40 == 0:
+            _check_invariants(model)
+    _check_invariants(model)
+    if capacity is None:
+        assert refused == 0
+    else:
+        assert refused > 0 and model.max_reserved <= capacity  # it ran out, and never reserved past its limit
