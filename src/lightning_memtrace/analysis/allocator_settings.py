@@ -17,20 +17,23 @@ class AllocatorSettings:
         max_split_size: ``max_split_size_mb`` in bytes (None: unlimited, the default): free blocks this large are
             not cut for smaller requests, and are the first given back when CUDA runs out.
         roundup_power2_divisions: ``roundup_power2_divisions:N`` (one number for every size; 0 or 1: off).
+        backend: ``backend:`` (``native``, the default, or ``cudaMallocAsync``: CUDA's own stream-ordered allocator,
+            which the model does not follow; its runs are served with the native allocator's rules and say so).
     """
 
     expandable_segments: bool = False
     max_split_size: int | None = None
     roundup_power2_divisions: int = 0
+    backend: str = "native"
 
     @classmethod
     def parse(cls, conf: str) -> AllocatorSettings:
         """Read the settings from ``PYTORCH_CUDA_ALLOC_CONF`` text (``key:value`` pairs separated by commas).
 
-        Keys that do not change the reserved bytes (``garbage_collection_threshold``, ``backend``, pinned-memory
-        keys) and ``roundup_power2_divisions`` given per size range (``[256:1,>:4]``) are left at their defaults.
+        Keys that do not change the reserved bytes (``garbage_collection_threshold``, pinned-memory keys) and
+        ``roundup_power2_divisions`` given per size range (``[256:1,>:4]``) are left at their defaults.
         """
-        expandable, max_split, divisions = False, None, 0
+        expandable, max_split, divisions, backend = False, None, 0, "native"
         for item in _settings_items(conf):
             key, _, value = item.partition(":")
             key, value = key.strip(), value.strip()
@@ -40,7 +43,9 @@ class AllocatorSettings:
                 max_split = int(value) << 20
             elif key == "roundup_power2_divisions" and value.isdigit():
                 divisions = int(value)
-        return cls(expandable, max_split, divisions)
+            elif key == "backend" and value:
+                backend = value
+        return cls(expandable, max_split, divisions, backend)
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] | None = None) -> AllocatorSettings:
@@ -77,6 +82,8 @@ class AllocatorSettings:
             parts.append(f"max_split_size_mb:{self.max_split_size >> 20}")
         if self.roundup_power2_divisions > 1:
             parts.append(f"roundup_power2_divisions:{self.roundup_power2_divisions}")
+        if self.backend != "native":
+            parts.append(f"backend:{self.backend}, not modelled: served with the native allocator's rules")
         return ", ".join(parts) or "defaults"
 
 
