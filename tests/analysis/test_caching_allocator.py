@@ -121,7 +121,9 @@ def test_settings_from_the_environment_text_and_a_snapshot():
     assert AllocatorSettings.from_environment({}) == AllocatorSettings()
     stream_ordered = AllocatorSettings.parse("backend:cudaMallocAsync")
     assert stream_ordered.backend == "cudaMallocAsync"
-    assert stream_ordered.describe() == "backend:cudaMallocAsync, not modelled: served with the native allocator's rules"
+    assert stream_ordered.describe() == (
+        "backend:cudaMallocAsync, not modelled: served with the native allocator's rules"
+    )
     assert AllocatorSettings().describe() == "defaults"
     recorded = {"allocator_settings": {"expandable_segments": True, "max_split_size": -1}}
     assert AllocatorSettings.from_snapshot(recorded) == AllocatorSettings(expandable_segments=True)
