@@ -28,18 +28,26 @@ class Block:
     def is_split(self) -> bool:
         return self.prev is not None or self.next is not None
 
+    def splice(self, before: Block | None, after: Block | None) -> None:
+        """Link this block in between ``before`` and ``after`` (neighbours until now)."""
+        self.prev, self.next = before, after
+        if before is not None:
+            before.next = self
+        if after is not None:
+            after.prev = self
+
     def __repr__(self) -> str:
         state = "allocated" if self.allocated else ("free" if self.mapped else "unmapped")
         return f"Block({self.addr:#x}, {self.size}, {state})"
 
 
 class ExpandableSegment:
-    """An expandable segment's address range: pages of ``page_size`` mapped on demand."""
+    """An expandable segment's address range, from ``addr``: pages of ``page_size`` mapped on demand."""
 
-    __slots__ = ("addr", "size", "page_size", "stream")
+    __slots__ = ("addr", "page_size")
 
-    def __init__(self, addr: int, size: int, page_size: int, stream: int) -> None:
-        self.addr, self.size, self.page_size, self.stream = addr, size, page_size, stream
+    def __init__(self, addr: int, page_size: int) -> None:
+        self.addr, self.page_size = addr, page_size
 
 
 class FreeBlocks:

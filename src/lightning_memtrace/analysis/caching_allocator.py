@@ -71,7 +71,6 @@ class CachingAllocatorModel:
     Attributes:
         allocated: Bytes of allocated blocks (``torch.cuda.memory_allocated()``: rounded, whole unsplit blocks).
         reserved: Bytes of segments (``torch.cuda.memory_reserved()``).
-        requested: Bytes the allocated blocks were asked for.
         peak_allocated, peak_reserved: Highest values since :meth:`reset_peak`; ``max_allocated`` /
             ``max_reserved`` since the model was made.
         segment_allocs, segment_frees, alloc_retries: cudaMalloc (or page-map) calls, cudaFree (or unmap) calls, and
@@ -89,10 +88,9 @@ class CachingAllocatorModel:
         self._segment_address = segment_address or self._next_address
         self._address_end = 1 << 40
         self._pools = {True: Pool(small=True), False: Pool(small=False)}
-        #: Segments by their first block's address (not expandable ones: see ``_expandable``).
+        #: Segments from cudaMalloc by their first block's address (expandable ones are found from their blocks).
         self._segments: dict[int, Block] = {}
-        self._expandable: list[ExpandableSegment] = []
-        self.allocated = self.reserved = self.requested = 0
+        self.allocated = self.reserved = 0
         self.peak_allocated = self.peak_reserved = 0
         self._max_allocated = self._max_reserved = 0
         self.segment_allocs = self.segment_frees = self.alloc_retries = 0
@@ -119,7 +117,6 @@ class CachingAllocatorModel:
         block.allocated = True
         block.requested = int(nbytes)
         self.allocated += block.size
-        self.requested += block.requested
         if self.allocated > self.peak_allocated:
             self.peak_allocated = self.allocated
         return block
@@ -130,7 +127,6 @@ class CachingAllocatorModel:
             raise ValueError(f"{block!r} is not allocated")
         block.allocated = False
         self.allocated -= block.size
-        self.requested -= block.requested
         block.requested = 0
         pool = self._pools[block.small]
         for neighbour in (block.prev, block.next):
@@ -157,8 +153,8 @@ class CachingAllocatorModel:
             cursor = addr + block_size
         if cursor < address + size:
             pieces.append(Block(cursor, address + size - cursor, stream, small))
-        for before, after in zip(pieces, pieces[1:]):
-            before.next, after.prev = after, before
+        for before, piece in zip(pieces, pieces[1:]):
+            piece.splice(before, None)
         self._segments[address] = pieces[0]
         pool = self._pools[small]
         for piece in pieces:
@@ -166,7 +162,6 @@ class CachingAllocatorModel:
                 pool.free.add(piece)
         self._reserve(size)
         self.allocated += sum(block.size for block in out)
-        self.requested += sum(block.requested for block in out)
         self.peak_allocated = max(self.peak_allocated, self.allocated)
         self._address_end = max(self._address_end, address + size + ROUND_LARGE)
         return out
@@ -288,12 +283,9 @@ class CachingAllocatorModel:
     def _split(self, pool: Pool, block: Block, size: int) -> Block:
         """Cut ``size`` bytes off the front of free ``block``; the rest stays free after it."""
         front = Block(block.addr, size, block.stream, block.small, block.segment)
-        front.prev, front.next = block.prev, block
-        if block.prev is not None:
-            block.prev.next = front
-        elif block.segment is None:
+        if block.prev is None and block.segment is None:
             self._segments[front.addr] = front
-        block.prev = front
+        front.splice(block.prev, block)
         block.addr += size
         block.size -= size
         pool.free.add(block)
@@ -422,8 +414,7 @@ class CachingAllocatorModel:
         page = SMALL_BUFFER if pool.small else LARGE_BUFFER
         span = _UNBOUNDED if self.capacity is None else self.capacity + self.capacity // 8
         span = -(-span // page) * page
-        segment = ExpandableSegment(self._segment_address(span), span, page, stream)
-        self._expandable.append(segment)
+        segment = ExpandableSegment(self._segment_address(span), page)
         block = Block(segment.addr, span, stream, pool.small, segment)
         block.mapped = False
         pool.add_unmapped(block)
@@ -442,10 +433,7 @@ class CachingAllocatorModel:
         if mapped < block.size:
             rest = Block(block.addr + mapped, block.size - mapped, block.stream, block.small, segment)
             rest.mapped = False
-            rest.prev, rest.next = block, block.next
-            if block.next is not None:
-                block.next.prev = rest
-            block.next = rest
+            rest.splice(block, block.next)
             block.size = mapped
             pool.add_unmapped(rest)
         self._merge(pool, block, block.prev)
@@ -470,17 +458,11 @@ class CachingAllocatorModel:
         start_addr = segment.addr + begin
         if before:
             head = Block(block.addr, before, block.stream, block.small, segment)
-            head.prev, head.next = block.prev, block
-            if block.prev is not None:
-                block.prev.next = head
-            block.prev = head
+            head.splice(block.prev, block)
             pool.free.add(head)
         if after:
             tail = Block(segment.addr + end, after, block.stream, block.small, segment)
-            tail.prev, tail.next = block, block.next
-            if block.next is not None:
-                block.next.prev = tail
-            block.next = tail
+            tail.splice(block, block.next)
             pool.free.add(tail)
         block.addr, block.size, block.mapped = start_addr, end - begin, False
         self.reserved -= block.size
