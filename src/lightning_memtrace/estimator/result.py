@@ -52,12 +52,9 @@ class Estimate:
         blas_workspace_bytes: Bytes of the cuBLAS workspaces a CUDA run keeps from its first products on, one for the
             forward's thread and one for the backward's (``other`` in the rows; see
             :mod:`~lightning_memtrace.estimator.blas_workspace`); 0 for a CPU target.
-        allocator: For a CUDA target, the caching allocator's settings the rows were modelled with (``defaults``,
-            ``expandable segments``...; see :mod:`~lightning_memtrace.analysis.caching_allocator`): the rows'
-            ``allocated_bytes`` and ``peak_bytes`` are then the allocator's blocks and ``reserved_bytes`` its
-            segments. Empty for a CPU target (reserved equals allocated).
-        allocator_log: The requests and frees the modelled allocator served (see :meth:`allocator_fits`); None for a
-            CPU target.
+        allocator_log: For a CUDA target, the requests and frees the caching allocator's model served and its
+            settings (see :meth:`allocator_fits`): the rows' ``allocated_bytes`` and ``peak_bytes`` are then the
+            allocator's blocks and ``reserved_bytes`` its segments. None for a CPU target (reserved equals allocated).
     """
 
     records: tuple[PhaseRecord, ...]
@@ -80,7 +77,6 @@ class Estimate:
     ddp_bucket_bytes: int = 0
     scratch_unmeasured: tuple[str, ...] = ()
     blas_workspace_bytes: int = 0
-    allocator: str = ""
     allocator_log: AllocatorLog | None = dataclasses.field(default=None, compare=False)
 
     def __repr__(self) -> str:
@@ -95,10 +91,16 @@ class Estimate:
         return max((r.peak_bytes for r in self.records), default=0)
 
     @property
+    def allocator(self) -> str:
+        """The settings the caching allocator was modelled with, in words (``defaults``, ``expandable segments``...;
+        see :mod:`~lightning_memtrace.analysis.caching_allocator`); empty for a CPU target."""
+        return self.allocator_log.settings.describe() if self.allocator_log is not None else ""
+
+    @property
     def peak_reserved_bytes(self) -> int | None:
         """The most the caching allocator reserves over the estimated run (``torch.cuda.max_memory_reserved()``),
         None where no allocator was modelled (a CPU target)."""
-        if not self.allocator:
+        if self.allocator_log is None:
             return None
         return max((r.reserved_bytes for r in self.records), default=0)
 
@@ -224,7 +226,7 @@ class Estimate:
         first = min((r.step for r in self.records), default=0)
         out = [f"estimate (rows of step {step}, steady state): {self.describe()}"]
         rows = [r for r in self.records if r.step == step]
-        out.extend(_phase_lines(_micro_batches(rows, self.accumulate_grad_batches), reserved=bool(self.allocator)))
+        out.extend(_phase_lines(_micro_batches(rows, self.accumulate_grad_batches), reserved=self.allocator_log is not None))
         out.append("")
         out.extend(_closed_form_lines(self.category_bytes(), self.closed_form))
         out.append(self._peak_line(step, first, rows))

@@ -284,7 +284,6 @@ def _estimate(
         ddp_bucket_bytes=bucket_bytes(model) if ddp_buckets else 0,
         scratch_unmeasured=tuple(scratch.unmeasured) if scratch is not None else (),
         blas_workspace_bytes=workspaces.held_bytes if workspaces is not None else 0,
-        allocator=allocator.model.settings.describe() if allocator is not None else "",
         allocator_log=allocator.log if allocator is not None else None,
     )
 
