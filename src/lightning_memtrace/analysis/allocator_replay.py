@@ -86,10 +86,7 @@ def replay_allocator(snapshot: Mapping[str, Any], device: int = 0, strict: bool 
                 replay.misplaced += 1
             live[addr] = block
         elif action == "free_completed":
-            held = live.pop(int(event["addr"]), None)
-            if held is None:
-                raise ValueError(f"the trace frees {int(event['addr']):#x}, which the model does not hold")
-            model.free(held)
+            _free_traced(model, live, event)
         elif action == "segment_free" and not model.release_segment(int(event["addr"])):
             raise ValueError(f"the trace gives back segment {int(event['addr']):#x}, which the model holds in use")
         elif action == "oom":
@@ -97,6 +94,14 @@ def replay_allocator(snapshot: Mapping[str, Any], device: int = 0, strict: bool 
             break
     replay.new_segments = model.segment_allocs - before
     return replay
+
+
+def _free_traced(model: CachingAllocatorModel, live: dict[int, Block], event: Mapping[str, Any]) -> None:
+    """Serve a trace's ``free_completed``: the block the model holds at its address goes back to the model."""
+    held = live.pop(int(event["addr"]), None)
+    if held is None:
+        raise ValueError(f"the trace frees {int(event['addr']):#x}, which the model does not hold")
+    model.free(held)
 
 
 def _trace_of(
@@ -213,10 +218,7 @@ def reserved_with(
             if action == "alloc":
                 live[int(event["addr"])] = model.malloc(int(event["size"]), int(event.get("stream", 0) or 0))
             elif action == "free_completed":
-                held_block = live.pop(int(event["addr"]), None)
-                if held_block is None:
-                    raise ValueError(f"the trace frees {int(event['addr']):#x}, which the model does not hold")
-                model.free(held_block)
+                _free_traced(model, live, event)
             elif action == "oom":
                 model.malloc(int(event["size"]), int(event.get("stream", 0) or 0))
                 break
