@@ -232,3 +232,28 @@ def test_the_estimates_reserved_bytes_meet_the_gpu_runs(tmp_path, monkeypatch, c
                       "estimated_peak": estimate.peak_bytes, "max_memory_allocated": allocated,
                       "allocator_needs": estimate.allocator_needs(), "error_percent": 100 * error}))
     assert abs(error) <= 0.05
+
+
+def test_the_long_run_reserved_bytes_meet_a_longer_gpu_run(tmp_path, monkeypatch):
+    """Reserved bytes after the estimated steps: a 2-step estimate served on (``long_run_reserved_bytes``) against a
+    plain 12-step run's ``max_memory_reserved`` with torch's default settings."""
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    estimate = estimate_from_config(GPT2, BATCH, SEQ, optimizer="adamw", device="cuda", steps=2,
+                                    attn_implementation="eager")
+    base = _fresh_cuda()
+    before = torch.cuda.memory_reserved()
+    module = ConfigLM(attention="eager")
+    try:
+        trainer(tmp_path, [], accelerator="gpu", devices=1, max_steps=12).fit(module)
+        reserved = torch.cuda.max_memory_reserved() - before
+        allocated = torch.cuda.max_memory_allocated() - base
+    finally:
+        del module
+        _fresh_cuda()
+    error = (estimate.long_run_reserved_bytes - reserved) / reserved
+    print(json.dumps({"estimated_reserved_estimated_steps": estimate.peak_reserved_bytes,
+                      "estimated_reserved_long_run": estimate.long_run_reserved_bytes,
+                      "long_run_from_step": estimate.long_run.reserved_from_step,
+                      "max_memory_reserved_12_steps": reserved, "max_memory_allocated": allocated,
+                      "error_percent": 100 * error}))
+    assert abs(error) <= 0.05

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from lightning_memtrace.analysis.allocator_blocks import Block, ExpandableSegment, Pool, expandable_size, segment_heads
@@ -187,6 +187,12 @@ class CachingAllocatorModel:
             return False
         self._release_segment(self._pools[head.small], head)
         return True
+
+    def cached_blocks(self) -> Iterator[Block]:
+        """The blocks that hold nothing: free ones in the segments, and expandable segments' unmapped ranges."""
+        for pool in self._pools.values():
+            yield from pool.free
+            yield from pool.unmapped_blocks.values()
 
     def reset_peak(self) -> None:
         """Start new peaks from the current values (``torch.cuda.reset_peak_memory_stats()``)."""

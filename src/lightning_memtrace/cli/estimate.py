@@ -277,21 +277,23 @@ def _fit_line(budget_bytes: int, shown: Any, fits: bool) -> str:
 def _allocator_line(budget_bytes: int | None, shown: Any) -> str:
     """What the caching allocator needs for the run, fragmentation included, whether the budget holds it, and what it
     would need with expandable segments."""
+    needs = shown.allocator_needs()
+    expandable = shown.allocator_needs_expandable()
+    figures = [needs, *([] if expandable is None else [expandable]), *([] if budget_bytes is None else [budget_bytes])]
+    texts = dict(zip(figures, _distinct(*figures)))
 
-    def verdict(needs: int) -> str:
+    def verdict(needed: int) -> str:
         if budget_bytes is None:
             return ""
-        return f" (in {format_bytes(budget_bytes)} it {'serves it' if needs <= budget_bytes else 'runs out'})"
+        return f" (in {texts[budget_bytes]} it {'serves it' if needed <= budget_bytes else 'runs out'})"
 
-    needs = shown.allocator_needs()
     line = (
-        f"the caching allocator needs {format_bytes(needs)} ({needs:,} B) to serve every request, fragmentation "
-        f"included{verdict(needs)}; it reserves up to {format_bytes(shown.peak_reserved_bytes)} where nothing makes "
-        "it free its cache"
+        f"the caching allocator needs {texts[needs]} ({needs:,} B) to serve every request, fragmentation "
+        f"included, the steady step served on past the estimated steps{verdict(needs)}; it reserves up to "
+        f"{format_bytes(shown.long_run_reserved_bytes)} where nothing makes it free its cache"
     )
-    expandable = shown.allocator_needs_expandable()
     if expandable is not None:
-        line += f"; with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True it needs {format_bytes(expandable)}"
+        line += f"; with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True it needs {texts[expandable]}"
         line += verdict(expandable)
     return line
 

@@ -30,6 +30,8 @@ Modules, in the order the data flows:
 - ``blas_workspace``: cuBLAS's workspaces, one per thread that runs products, in a CUDA target's estimate;
 - ``modelled_cuda``: a CUDA target's counters from the caching allocator's model
   (:mod:`~lightning_memtrace.analysis.caching_allocator`) that the fake run's allocations drive;
+- ``allocator_log``: those requests and frees served again, under a capacity, other settings, and past the estimated
+  steps until the allocator's state repeats;
 - ``loop``: Lightning's automatic optimization loop, step for step, with the recorder's rows;
 - ``run``: :func:`estimate` and :func:`estimate_for_module`;
 - ``config``: a Hugging Face causal LM from its config on the meta device, :func:`estimate_from_config`;

@@ -140,6 +140,8 @@ def run_steps(
             buckets = bucket_tensors(model, device) if ddp_buckets else []
             buffer: list[Any] = [new_batch()] if prefetch else []
             for batch_idx in range(steps * accumulate):
+                if allocator is not None and batch_idx % accumulate == 0:
+                    allocator.mark_step()
                 if prefetch:
                     # Lightning's prefetching fetcher: the next batch is fetched before this one starts.
                     current = buffer.pop(0)
@@ -149,6 +151,8 @@ def run_steps(
                     current = new_batch()
                 loop.run_batch(current, batch_idx)
                 del current
+            if allocator is not None:
+                allocator.mark_step()
             del buffer, buckets
         finally:
             loop.clear()

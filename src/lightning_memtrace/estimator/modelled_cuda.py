@@ -14,17 +14,16 @@ the first batch.
 
 from __future__ import annotations
 
-import dataclasses
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import torch
 from torch import nn
 
 from lightning_memtrace.capture.allocation_state import LiveAllocation
 from lightning_memtrace.capture.storages import memory_tensors
-from lightning_memtrace.analysis.allocator_settings import AllocatorSettings
-from lightning_memtrace.analysis.caching_allocator import Block, CachingAllocatorModel, SimulatedOutOfMemory
+from lightning_memtrace.analysis.caching_allocator import Block, CachingAllocatorModel
+from lightning_memtrace.estimator.allocator_log import AllocatorLog
 
 
 class ModelledCudaAllocator:
@@ -43,9 +42,14 @@ class ModelledCudaAllocator:
         self._blocks: dict[int, tuple[Block, int]] = {}
         #: Blocks placed ahead of the tracker (the module's state), by storage key.
         self._placed: dict[int, tuple[Block, int]] = {}
-        #: Every request and free served, to serve again under a capacity (see :meth:`AllocatorLog.serves_within`).
-        self.log = AllocatorLog(model.settings, array("q"))
+        #: Every request and free served, and where each step starts, to serve again (see
+        #: :mod:`~lightning_memtrace.estimator.allocator_log`).
+        self.log = AllocatorLog(model.settings, array("q"), array("q"))
         self._allocations = 0
+
+    def mark_step(self) -> None:
+        """Note that an optimizer step's first batch starts here (or, at the end, that the last step ended)."""
+        self.log.step_starts.append(len(self.log.ops))
 
     def place_module(self, module: nn.Module) -> None:
         """Allocate ``module``'s parameters and buffers now, in ``module.to()``'s order (tied ones once; a sharded
@@ -100,38 +104,6 @@ class ModelledCudaAllocator:
         allocated, reserved, peak = model.allocated, model.reserved, max(model.peak_allocated, model.allocated)
         model.reset_peak()
         return allocated, reserved, peak
-
-
-@dataclasses.dataclass(frozen=True)
-class AllocatorLog:
-    """The requests and frees a model served, in order, to serve them again under a capacity.
-
-    Attributes:
-        settings: The settings they were served with.
-        ops: One number per call: a request's bytes (requests are numbered from 0 in order), or ``-1 - n`` for
-            the free of request ``n``.
-    """
-
-    settings: AllocatorSettings
-    ops: Sequence[int]
-
-    def serves_within(self, capacity: int, settings: AllocatorSettings | None = None) -> bool:
-        """Whether the allocator, able to reserve ``capacity`` bytes at most, serves every request (freeing its
-        cache where it must, as torch's does before an out-of-memory error); under other ``settings`` if given."""
-        model = CachingAllocatorModel(settings or self.settings, capacity=int(capacity))
-        blocks: list[Block | None] = []
-        try:
-            for op in self.ops:
-                if op >= 0:
-                    blocks.append(model.malloc(op))
-                else:
-                    block = blocks[-1 - op]
-                    blocks[-1 - op] = None
-                    if block is not None:
-                        model.free(block)
-        except SimulatedOutOfMemory:
-            return False
-        return True
 
 
 def _applied_in_order(module: nn.Module) -> Iterator[torch.Tensor]:

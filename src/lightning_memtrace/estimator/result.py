@@ -7,7 +7,7 @@ from typing import Any
 
 from lightning_memtrace.analysis.caching_allocator import ROUND_LARGE as SEGMENT_UNIT
 from lightning_memtrace.analysis.allocator_settings import AllocatorSettings
-from lightning_memtrace.estimator.modelled_cuda import AllocatorLog
+from lightning_memtrace.estimator.allocator_log import AllocatorLog, Served
 from lightning_memtrace.estimator.closed_form import ClosedForm
 from lightning_memtrace.types import SHARDED_CATEGORIES, Category, Phase, PhaseRecord
 from lightning_memtrace.units import format_bytes
@@ -104,14 +104,31 @@ class Estimate:
             return None
         return max((r.reserved_bytes for r in self.records), default=0)
 
+    @property
+    def long_run(self) -> Served | None:
+        """The caching allocator serving the run on past the estimated steps, nothing making it free its cache: the
+        steady step's requests again, step after step, until the allocator's state repeats (see
+        :mod:`~lightning_memtrace.estimator.allocator_log`); None for a CPU target."""
+        return self.allocator_log.unhindered if self.allocator_log is not None else None
+
+    @property
+    def long_run_reserved_bytes(self) -> int | None:
+        """The most the caching allocator reserves however long the run goes on (:attr:`long_run`): at least
+        :attr:`peak_reserved_bytes`, more where blocks fragment over later steps; None for a CPU target."""
+        long_run = self.long_run
+        if long_run is None:
+            return None
+        return max(self.peak_reserved_bytes or 0, long_run.max_reserved_bytes)
+
     def allocator_fits(self, capacity: int) -> bool | None:
         """Whether CUDA's caching allocator, able to reserve ``capacity`` bytes (the device's memory less the CUDA
-        context), serves every request of the estimated run: fragmentation included, and the cache freed where it
-        must be, as torch does before it raises out of memory. None where no allocator was modelled (a CPU target).
+        context), serves every request of the run, the estimated steps and the steady step served on after them
+        (:attr:`long_run`): fragmentation included, and the cache freed where it must be, as torch does before it
+        raises out of memory. None where no allocator was modelled (a CPU target).
         """
         if self.allocator_log is None:
             return None
-        if (self.peak_reserved_bytes or 0) <= capacity:
+        if (self.long_run_reserved_bytes or 0) <= capacity:
             return True
         return self.allocator_log.serves_within(capacity)
 
@@ -123,7 +140,7 @@ class Estimate:
             return None
         unit = SEGMENT_UNIT
         low = max(0, self.peak_bytes - 1) // unit  # below the peak: never serves
-        high = max(1, -(-(self.peak_reserved_bytes or 0) // unit))  # what the run reserved unhindered: serves
+        high = max(1, -(-(self.long_run_reserved_bytes or 0) // unit))  # what the run reserved unhindered: serves
         while not log.serves_within(high * unit, settings):  # other settings may need more than these reserved
             low, high = high, 2 * high
         while high - low > 1:
@@ -208,6 +225,8 @@ class Estimate:
             "allocator": self.allocator,
             "peak_bytes": self.peak_bytes,
             "peak_reserved_bytes": self.peak_reserved_bytes,
+            "long_run_reserved_bytes": self.long_run_reserved_bytes,
+            "long_run_reserved_step": self.long_run.reserved_from_step if self.long_run is not None else None,
             "allocator_needs_bytes": self.allocator_needs(),
             "allocator_needs_expandable_bytes": self.allocator_needs_expandable(),
             "phase_peaks": {p.value: v for p, v in self.phase_peaks().items()},
@@ -234,10 +253,31 @@ class Estimate:
         if reserved is not None:
             above = reserved - self.peak_bytes
             out.append(
-                f"reserved by the caching allocator ({self.allocator}): {format_bytes(reserved)} ({reserved:,} B), "
-                f"{format_bytes(above)} above the peak (cached blocks, free space in its segments)"
+                f"reserved by the caching allocator ({self.allocator}): {format_bytes(reserved)} ({reserved:,} B) "
+                f"over the estimated steps, {format_bytes(above)} above the peak (cached blocks, free space in its "
+                f"segments){self._long_run_text(reserved)}"
             )
         return "\n".join(out)
+
+    def _long_run_text(self, reserved: int) -> str:
+        long_run = self.long_run
+        if long_run is None or self.allocator_log is None:
+            return ""
+        if self.allocator_log.step_repeat is None:
+            return (
+                "; the steady step could not be served on (it keeps more than it frees of the step before), so later "
+                "steps may reserve more"
+            )
+        first, last = self.steady_step + 1, long_run.steps - 1
+        if last < first:
+            return ""
+        served = f"; served on over steps {first}-{last} (the steady step's requests again"
+        if long_run.repeats_from is not None:
+            served += f", until the allocator's state repeats step {long_run.repeats_from}'s"
+        total = self.long_run_reserved_bytes or 0
+        if total <= reserved:
+            return f"{served}), it reserves no more"
+        return f"{served}), it reserves {format_bytes(total)} ({total:,} B) from step {long_run.reserved_from_step} on"
 
     def _peak_line(self, step: int, first: int, rows: list[PhaseRecord]) -> str:
         record = self.peak_record
