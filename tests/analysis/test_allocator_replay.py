@@ -7,7 +7,11 @@ import dataclasses
 
 import pytest
 
-from lightning_memtrace.analysis.allocator_replay import expandable_segments_what_if, replay_allocator
+from lightning_memtrace.analysis.allocator_replay import (
+    expandable_segments_serve_the_oom,
+    expandable_segments_what_if,
+    replay_allocator,
+)
 from lightning_memtrace.analysis.findings import fragmentation_finding, oom_findings
 from lightning_memtrace.analysis.loader import load_snapshot
 from lightning_memtrace.analysis import replay as replay_module
@@ -97,6 +101,7 @@ def test_the_fragmentation_findings_name_what_expandable_segments_would_save():
 )
 def test_a_trace_that_cannot_be_served_gives_no_figure(trace):
     assert expandable_segments_what_if({"segments": [], "device_traces": [trace]}) is None
+    assert expandable_segments_serve_the_oom({"segments": [], "device_traces": [trace]}) is None
 
 
 def test_an_out_of_memory_error_expandable_segments_would_have_avoided():
@@ -106,6 +111,7 @@ def test_an_out_of_memory_error_expandable_segments_would_have_avoided():
     assert (served.reserved_bytes, served.oom_requested_bytes, served.oom_served) == (60 * MIB, 12 * MIB, True)
     # with expandable segments the six blocks lie end to end in one segment: the freed ones and its 12 MiB tail
     assert served.expandable_reserved_bytes == 60 * MIB
+    assert expandable_segments_serve_the_oom(snapshot) is True  # what the post-mortem asks, alone
     (finding,) = oom_findings(replay(snapshot))
     assert finding.numbers["expandable_serves"] is True
     assert finding.message.endswith(
@@ -120,6 +126,7 @@ def test_an_out_of_memory_error_no_allocator_setting_avoids():
     snapshot = snapshot_of_an_oom(blocks=4, limit=40 * MIB)
     served = expandable_segments_what_if(snapshot)
     assert (served.oom_requested_bytes, served.oom_served) == (12 * MIB, False)
+    assert expandable_segments_serve_the_oom(snapshot) is False
     (finding,) = oom_findings(replay(snapshot))
     assert finding.numbers["expandable_serves"] is False
     assert finding.message.endswith("runs out too: expandable segments would not have avoided this error")
@@ -135,6 +142,7 @@ def test_a_trace_the_model_places_otherwise_or_too_long_a_one_gives_no_figure(mo
             event["addr"] += 4096
     assert replay_allocator({**snapshot, "device_traces": [moved]}).misplaced == 1
     assert expandable_segments_what_if({**snapshot, "device_traces": [moved]}) is None
+    assert expandable_segments_serve_the_oom({**snapshot, "device_traces": [moved]}) is None
     monkeypatch.setattr(replay_module, "MAX_EVENTS", len(snapshot["device_traces"][0]) - 1)
     assert replay(snapshot).snapshot is None  # not kept where the trace is too long to serve again
     assert replay(snapshot).expandable_what_if is None

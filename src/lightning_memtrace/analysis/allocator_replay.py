@@ -233,14 +233,10 @@ def expandable_segments_what_if(snapshot: Mapping[str, Any], device: int = 0) ->
     expandable segments already, or the model cannot serve its trace as the GPU did (the snapshot is untrusted: any
     failure is None)."""
     try:
-        traces = snapshot.get("device_traces") or []
-        if device >= len(traces) or not traces[device] or len(traces[device]) > MAX_EVENTS:
+        found = _served_as_recorded(snapshot, device)
+        if found is None:
             return None
-        recorded_settings = AllocatorSettings.from_snapshot(snapshot)
-        if recorded_settings.expandable_segments:
-            return None
-        recorded = replay_allocator(snapshot, device, strict=True)
-        settings = dataclasses.replace(recorded_settings, expandable_segments=True)
+        recorded, settings = found
         expandable, _ = reserved_with(snapshot, settings, device)
         if recorded.oom is None:
             return ExpandableWhatIf(recorded.model.max_reserved, expandable)
@@ -249,3 +245,30 @@ def expandable_segments_what_if(snapshot: Mapping[str, Any], device: int = 0) ->
         return ExpandableWhatIf(recorded.model.max_reserved, expandable, requested, served)
     except Exception:  # noqa: BLE001 - an untrusted file's trace: no figure rather than a failed summary
         return None
+
+
+def expandable_segments_serve_the_oom(snapshot: Mapping[str, Any], device: int = 0) -> bool | None:
+    """:attr:`ExpandableWhatIf.oom_served` alone (what a post-mortem asks, without serving the trace unlimited): None
+    where :func:`expandable_segments_what_if` is, or the trace holds no out-of-memory error."""
+    try:
+        found = _served_as_recorded(snapshot, device)
+        if found is None or found[0].oom is None:
+            return None
+        recorded, settings = found
+        capacity, _ = recorded.oom
+        return reserved_with(snapshot, settings, device, capacity=capacity)[1]
+    except Exception:  # noqa: BLE001 - an untrusted file's trace: no answer rather than a failed post-mortem
+        return None
+
+
+def _served_as_recorded(snapshot: Mapping[str, Any], device: int) -> tuple[AllocatorReplay, AllocatorSettings] | None:
+    """The trace served with the snapshot's own settings, and those settings with expandable segments on; None where
+    the trace is too long or empty, or expandable segments were on already."""
+    traces = snapshot.get("device_traces") or []
+    if device >= len(traces) or not traces[device] or len(traces[device]) > MAX_EVENTS:
+        return None
+    recorded_settings = AllocatorSettings.from_snapshot(snapshot)
+    if recorded_settings.expandable_segments:
+        return None
+    recorded = replay_allocator(snapshot, device, strict=True)
+    return recorded, dataclasses.replace(recorded_settings, expandable_segments=True)

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from lightning_memtrace.analysis.allocator_replay import expandable_segments_what_if
+from lightning_memtrace.analysis.allocator_replay import expandable_segments_serve_the_oom
 from lightning_memtrace.analysis.growth import records_growth
 from lightning_memtrace.analysis.postmortem import (
     LiveBlock,
@@ -156,8 +156,7 @@ class OomCapture:
         the caching allocator's model); None where it cannot tell."""
         if not snapshot or self.device.type != "cuda":
             return None
-        served = expandable_segments_what_if(snapshot, self.device.index or 0)
-        return served.oom_served if served is not None else None
+        return expandable_segments_serve_the_oom(snapshot, self.device.index or 0)
 
     def _growth(self) -> dict[str, Any] | None:
         try:
