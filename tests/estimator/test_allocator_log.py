@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_memtrace.analysis.allocator_settings import AllocatorSettings
-from lightning_memtrace.estimator import estimate, estimate_from_config
+from lightning_memtrace.estimator import compare_estimate, estimate, estimate_from_config
 from lightning_memtrace.estimator.allocator_log import AllocatorLog, StepRepeat
 
 from tests.shared_files import config_path
@@ -104,7 +104,20 @@ def test_served_on_a_two_step_estimate_reserves_what_a_longer_one_does(gpt2_esti
     assert two.as_dict()["long_run_reserved_bytes"] == 5864 * MIB and two.as_dict()["long_run_reserved_step"] == 4
     assert "it reserves 5.7 GiB (6,148,849,664 B) from step 4 on" in two.table()
     # and so needs what the five-step estimate needs, more than its own two steps alone would have said
+    def alone(est):  # its own requests only, not served on
+        return dataclasses.replace(est, allocator_log=AllocatorLog(est.allocator_log.settings, est.allocator_log.ops))
+
     needs = two.allocator_needs()
-    assert needs == five.allocator_needs() == 5654 * MIB
-    alone = dataclasses.replace(two, allocator_log=AllocatorLog(two.allocator_log.settings, two.allocator_log.ops))
-    assert alone.allocator_needs() < needs and not two.allocator_fits(alone.allocator_needs())
+    assert needs == alone(five).allocator_needs() == 5654 * MIB
+    assert alone(two).allocator_needs() < needs and not two.allocator_fits(alone(two).allocator_needs())
+
+
+def test_a_longer_runs_reserved_bytes_are_compared_with_the_steps_served_on(gpt2_estimates) -> None:
+    two, five = gpt2_estimates
+    assert two.long_run.reserved_by_step[:6] == (3990 * MIB, 5470 * MIB, 5470 * MIB, 5470 * MIB, 5864 * MIB, 5864 * MIB)
+    # the five-step estimate's rows stand in for a five-step run's: its step 4 reserved 5,864 MiB
+    reserved = compare_estimate(two, five.to_dataframe()).set_index("category").loc["reserved"]
+    assert (reserved.estimated_bytes, reserved.measured_bytes, reserved.error_bytes) == (5864 * MIB, 5864 * MIB, 0)
+    # a run as long as the estimate: its own rows
+    reserved = compare_estimate(two, two.to_dataframe()).set_index("category").loc["reserved"]
+    assert reserved.estimated_bytes == reserved.measured_bytes == 5470 * MIB

@@ -45,6 +45,7 @@ class Served:
         steps: Optimizer steps served, the estimated ones and those served again.
         repeats_from: The step whose starting state the last served step's end repeats (every later step repeats
             one served); None where the steps were not served again, or :data:`STEP_LIMIT` came first.
+        reserved_by_step: Per step served, the most reserved up to its end.
     """
 
     served: bool
@@ -52,6 +53,13 @@ class Served:
     reserved_from_step: int
     steps: int
     repeats_from: int | None
+    reserved_by_step: tuple[int, ...] = ()
+
+    def reserved_through(self, step: int) -> int:
+        """The most reserved up to the end of ``step`` (past the steps served: :attr:`max_reserved_bytes`)."""
+        if step < 0 or not self.reserved_by_step:
+            return 0
+        return self.reserved_by_step[min(step, len(self.reserved_by_step) - 1)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,10 +230,13 @@ class _StepPeaks:
         self.reserved = 0
         #: The step in which the reserved bytes last grew.
         self.reserved_step = 0
+        self.by_step: list[int] = []
 
     def end_step(self, step: int) -> None:
         if self.model.max_reserved > self.reserved:
             self.reserved, self.reserved_step = self.model.max_reserved, step
+        del self.by_step[step:]
+        self.by_step.append(self.reserved)
 
     def served(self, served: bool, steps: int, repeats_from: int | None) -> Served:
-        return Served(served, self.reserved, self.reserved_step, steps, repeats_from)
+        return Served(served, self.reserved, self.reserved_step, steps, repeats_from, tuple(self.by_step))

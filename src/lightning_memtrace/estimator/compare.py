@@ -51,6 +51,13 @@ def _compared(est: Any, measured: Any, name: str, column: str, phase: Phase | st
     }
 
 
+def _served_on(row: dict[str, Any], reserved: int) -> None:
+    if reserved > row["estimated_bytes"]:
+        row["estimated_bytes"] = reserved
+        row["error_bytes"] = reserved - row["measured_bytes"]
+        row["error_percent"] = 100.0 * row["error_bytes"] / row["measured_bytes"] if row["measured_bytes"] else math.nan
+
+
 def compare_estimate(
     estimate: Estimate, phases: Any, phase: Phase | str | None = None, run: str | None = None
 ) -> Any:
@@ -69,7 +76,8 @@ def compare_estimate(
         category over the run at the same phase), ``error_bytes`` (estimated - measured) and ``error_percent``
         (relative to measured; NaN where measured is 0). Rows: each category in :class:`Category` order, then
         ``peak`` (``peak_bytes``), then, where the estimate modelled CUDA's caching allocator, ``reserved``
-        (``reserved_bytes``).
+        (``reserved_bytes``; for a run with more steps than the estimate, the most the allocator reserves up to the
+        run's last step with the steady step served on, see :attr:`Estimate.long_run`).
     """
     import pandas as pd
 
@@ -78,7 +86,12 @@ def compare_estimate(
     columns = [(c.value, f"{c.value}_bytes") for c in Category] + [("peak", "peak_bytes")]
     if estimate.allocator:
         columns.append(("reserved", "reserved_bytes"))
-    frame = pd.DataFrame([_compared(est, measured, name, column, phase) for name, column in columns])
+    compared = [_compared(est, measured, name, column, phase) for name, column in columns]
+    long_run = estimate.long_run
+    if long_run is not None and len(measured) and "step" in measured.columns:
+        # a run longer than the estimate: its allocator may have reserved more in the later steps, served on
+        _served_on(compared[-1], long_run.reserved_through(int(measured["step"].max())))
+    frame = pd.DataFrame(compared)
     for column in ("estimated_bytes", "measured_bytes", "error_bytes"):
         frame[column] = frame[column].astype("int64")
     return frame
