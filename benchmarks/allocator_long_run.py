@@ -6,7 +6,8 @@ For each case (the tiny Qwen2 and GPT-2 124M from config, several precisions and
 two-step estimate whose allocator's log is served on (``Estimate.long_run``: the last step's requests again until the
 allocator's state repeats or its reserved bytes stop growing, see ``estimator/allocator_log.py``), beside an estimate
 that runs ``--steps`` steps for real on fake tensors: the most either reserves, the step it is first reached, and what
-each says the allocator needs (``allocator_needs()``; the long estimate's over its own steps only). The two agree where serving on finds what later steps do.
+each says the allocator needs (``allocator_needs()``; the long estimate's over its own steps
+only). The two agree where serving on finds what later steps do.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def main() -> None:
         short = estimate_from_config(config, batch, seq_len, device="cuda", steps=2, **options)
         long = estimate_from_config(config, batch, seq_len, device="cuda", steps=args.steps, **options)
         # the long estimate's own requests only, not served on
-        long = dataclasses.replace(long, allocator_log=AllocatorLog(long.allocator_log.settings, long.allocator_log.ops))
+        log = long.allocator_log
+        long = dataclasses.replace(long, allocator_log=AllocatorLog(log.settings, log.ops))
         reached = min(r.step for r in long.records if r.reserved_bytes == long.peak_reserved_bytes)
         served = short.long_run
         label = f"{name} {batch} x {seq_len} {options or 'fp32'}"
