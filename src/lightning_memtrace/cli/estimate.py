@@ -6,6 +6,8 @@ Usage::
     memtrace estimate --config path/to/model_folder --seq-len 2048 --precision bf16-mixed \\
         --gradient-checkpointing --device-memory 80GiB --find-max-batch
     memtrace estimate --config qwen2.5-1.5b.json --batch-size 16 --seq-len 256 --device-memory 24GiB --what-if
+    memtrace estimate --config bert/config.json --task sequence-classification --batch-size 32 --seq-len 128
+    memtrace estimate --config vit/config.json --task image-classification --batch-size 64
 
 The model is built from its Hugging Face config on the meta device and trained for a few steps on fake tensors
 (:func:`lightning_memtrace.estimator.estimate_from_config`). Exit status: 0 when it fits (or no budget was given),
@@ -53,6 +55,16 @@ REMEDIES = (
     "lora",
 )
 PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "bf16-true", "16-true")
+#: ``--task`` choices: :class:`~lightning_memtrace.estimator.tasks.Task`'s values (named here: the parser imports no
+#: torch).
+TASKS = (
+    "causal-lm",
+    "masked-lm",
+    "seq2seq-lm",
+    "sequence-classification",
+    "token-classification",
+    "image-classification",
+)
 #: ``--attn-implementation`` choices (transformers' names); without the option, transformers' default for the model.
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
 #: Options passed through to :func:`~lightning_memtrace.estimator.estimate_from_config` as they are.
@@ -64,6 +76,9 @@ _ESTIMATE_OPTIONS = (
     "device",
     "fsdp",
     "ddp_buckets",
+    "task",
+    "target_len",
+    "image_size",
 )
 #: Errors whose message alone is the one line (anything else also names its type).
 PLAIN_ERRORS = (ValueError, OSError, KeyError, TypeError, ModuleNotFoundError, json.JSONDecodeError)
@@ -78,7 +93,25 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--batch-size", type=positive_int, default=None, help="micro-batch size (required unless --find-max-batch)"
     )
-    parser.add_argument("--seq-len", type=positive_int, required=True, help="tokens per sequence")
+    parser.add_argument(
+        "--seq-len", type=positive_int, default=None, help="tokens per sequence (required unless an image task)"
+    )
+    parser.add_argument(
+        "--task",
+        choices=TASKS,
+        default=TASKS[0],
+        help="what the model is trained for: the transformers auto class that builds it (AutoModelFor...) and the "
+        "labels of its batch (default causal-lm)",
+    )
+    parser.add_argument(
+        "--target-len", type=positive_int, default=None, help="seq2seq-lm: tokens of the labels (default --seq-len)"
+    )
+    parser.add_argument(
+        "--image-size",
+        type=positive_int,
+        default=None,
+        help="image-classification: an image's side in pixels (default: the config's image_size, else 224)",
+    )
     parser.add_argument(
         "--optimizer",
         choices=tuple(OPTIMIZERS),
@@ -167,8 +200,9 @@ def add_estimate_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "estimate",
         help="estimate the memory of a training step from a model config (no GPU, no weights)",
-        description="Estimate per phase and per category the memory of training a Hugging Face causal LM, by running "
-        "real training steps on fake tensors. Exit status 0: fits, 1: does not fit, 2: error.",
+        description="Estimate per phase and per category the memory of training a Hugging Face model (a causal LM "
+        "unless --task says otherwise), by running real training steps on fake tensors. Exit status 0: fits, 1: does "
+        "not fit, 2: error.",
     )
     _configure(parser)
     parser.set_defaults(func=run_estimate)
@@ -185,6 +219,12 @@ def run_estimate(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> None:
+    if args.seq_len is None and args.task != "image-classification":
+        raise ValueError(f"--seq-len is required for --task {args.task}")
+    if args.target_len is not None and args.task != "seq2seq-lm":
+        raise ValueError("--target-len goes with --task seq2seq-lm")
+    if args.image_size is not None and args.task != "image-classification":
+        raise ValueError("--image-size goes with --task image-classification")
     if args.what_if and args.batch_size is None:
         raise ValueError("--what-if needs --batch-size")
     if args.batch_size is None and not args.find_max_batch:
@@ -349,7 +389,7 @@ def _meta_model(args: argparse.Namespace) -> Any:
     from lightning_memtrace.estimator import AttentionUnavailableError, build_meta_model
 
     try:
-        return build_meta_model(args.config, args.attn_implementation)
+        return build_meta_model(args.config, args.attn_implementation, args.task)
     except AttentionUnavailableError:
         raise
     except (OSError, ValueError, RecursionError) as error:

@@ -173,7 +173,7 @@ def diff_argv(
 
 def estimate_argv(
     config: str,
-    seq_len: int,
+    seq_len: int | None = None,
     batch_size: int | None = None,
     precision: str | None = None,
     device: str | None = None,
@@ -186,6 +186,9 @@ def estimate_argv(
     find_max_batch: bool = False,
     max_batch_size: int | None = None,
     ddp: bool = False,
+    task: str | None = None,
+    target_len: int | None = None,
+    image_size: int | None = None,
 ) -> list[str]:
     """The ``memtrace`` arguments of an ``estimate`` tool call (without ``--json``)."""
     options = [
@@ -203,6 +206,9 @@ def estimate_argv(
         ("--find-max-batch", bool(find_max_batch)),
         ("--max-batch-size", max_batch_size),
         ("--ddp", bool(ddp)),
+        ("--task", task),
+        ("--target-len", target_len),
+        ("--image-size", image_size),
     ]
     return ["estimate", *_options(options)]
 
@@ -274,7 +280,7 @@ def build_server() -> Any:
     @server.tool(name="estimate", annotations=read_only)
     def estimate(
         config: str,
-        seq_len: int,
+        seq_len: int | None = None,
         batch_size: int | None = None,
         precision: str | None = None,
         device: str | None = None,
@@ -287,13 +293,18 @@ def build_server() -> Any:
         find_max_batch: bool = False,
         max_batch_size: int | None = None,
         ddp: bool = False,
+        task: str | None = None,
+        target_len: int | None = None,
+        image_size: int | None = None,
     ) -> CallToolResult:
-        """`memtrace estimate ... --json`: the memory of training a Hugging Face causal LM, per phase and category,
+        """`memtrace estimate ... --json`: the memory of training a Hugging Face model, per phase and category,
         from its config (run on fake tensors: no GPU, no weights). config: a config.json or a folder holding one;
         precision: 32-true, 16-mixed, bf16-mixed, bf16-true or 16-true; device: cuda or cpu; optimizer: adamw, adam,
         sgd or sgd-plain; fsdp: shard over N ranks; ddp: data-parallel with DDP's default gradient buckets (a second
         copy of the gradients on every rank); device_memory: e.g. "80GiB" (then "fits" is in the answer);
-        find_max_batch: search the largest micro-batch that fits in device_memory (up to max_batch_size)."""
+        find_max_batch: search the largest micro-batch that fits in device_memory (up to max_batch_size); task:
+        causal-lm (default), masked-lm, seq2seq-lm (target_len: its label tokens), sequence-classification,
+        token-classification or image-classification (image_size: an image's side; no seq_len)."""
         argv = estimate_argv(
             config,
             seq_len,
@@ -309,6 +320,9 @@ def build_server() -> Any:
             find_max_batch,
             max_batch_size,
             ddp,
+            task,
+            target_len,
+            image_size,
         )
         return _result(argv)
 

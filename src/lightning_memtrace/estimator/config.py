@@ -1,7 +1,9 @@
-"""The estimate of a Hugging Face causal LM from its config alone: built on the meta device, no weights."""
+"""The estimate of a Hugging Face model from its config alone (a causal LM by default, or another task's model, see
+:mod:`~lightning_memtrace.estimator.tasks`): built on the meta device, no weights."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from collections.abc import Callable, Mapping
@@ -11,9 +13,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_memtrace.estimator.inputs import OptimizerName, Precision, lm_batch
+from lightning_memtrace.estimator.inputs import OptimizerName, Precision
 from lightning_memtrace.estimator.result import Estimate
 from lightning_memtrace.estimator.run import estimate
+from lightning_memtrace.estimator.tasks import Task, prepare_config, task_batch, task_detail
 from lightning_memtrace.models import TRANSFORMERS_AVAILABLE, load_config_dict
 
 
@@ -136,15 +139,20 @@ def _check_layers(fields: Mapping[str, Any]) -> None:
 
 
 def build_meta_model(
-    config: str | os.PathLike | Mapping[str, Any], attn_implementation: str | None = None
+    config: str | os.PathLike | Mapping[str, Any],
+    attn_implementation: str | None = None,
+    task: Task | str = Task.CAUSAL_LM,
 ) -> nn.Module:
-    """A Hugging Face causal LM on the meta device, to pass to :func:`estimate_from_config` many times.
+    """A Hugging Face model on the meta device (a causal LM, or ``task``'s model), to pass to
+    :func:`estimate_from_config` many times.
 
     Args:
         config: The Hugging Face config (a dict, a ``config.json``, a folder or a hub id).
         attn_implementation: ``eager``, ``sdpa``, ``flash_attention_2``... None: what transformers picks for the
             model, as ``AutoModelForCausalLM.from_config`` does (SDPA for most architectures). The choice is in
             ``model.config._attn_implementation``.
+        task: What the model is trained for (:class:`~lightning_memtrace.estimator.tasks.Task`): the auto class that
+            builds it (``AutoModelForSequenceClassification`` for ``sequence-classification``...).
 
     Raises:
         AttentionUnavailableError: ``attn_implementation`` cannot be built here (e.g. ``flash_attention_2`` without
@@ -152,17 +160,20 @@ def build_meta_model(
     """
     if not TRANSFORMERS_AVAILABLE:
         raise ModuleNotFoundError(str(TRANSFORMERS_AVAILABLE))
-    from transformers import AutoModelForCausalLM
+    import transformers
 
+    task = Task(task)
+    auto_class = getattr(transformers, task.auto_class)
     hf_config = _hf_config(config)
     hf_config.use_cache = False
+    prepare_config(task, hf_config)
     # Only what the caller asked for: otherwise transformers' own default, the one a user's from_config gets.
     attention = {"attn_implementation": attn_implementation} if attn_implementation else {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with torch.device("meta"):
             try:
-                return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, **attention)
+                return auto_class.from_config(hf_config, dtype=torch.float32, **attention)
             except ImportError as error:
                 raise AttentionUnavailableError(
                     f"attn_implementation={attn_implementation!r} cannot be built here ({str(error).splitlines()[0]}); "
@@ -174,7 +185,7 @@ def build_meta_model(
 def estimate_from_config(
     config: str | os.PathLike | Mapping[str, Any],
     batch_size: int,
-    seq_len: int,
+    seq_len: int | None,
     *,
     optimizer: str | OptimizerName = OptimizerName.ADAMW,
     precision: str | int | Precision = "32-true",
@@ -189,11 +200,16 @@ def estimate_from_config(
     optimizer_factory: Callable[[nn.Module], Any] | None = None,
     prepare: Callable[[nn.Module], Any] | None = None,
     ddp_buckets: bool = False,
+    task: Task | str = Task.CAUSAL_LM,
+    target_len: int | None = None,
+    image_size: int | None = None,
 ) -> Estimate:
-    """Estimate a Hugging Face causal LM from its config alone (a dict, a ``config.json``, a folder or a hub id).
+    """Estimate a Hugging Face causal LM (or ``task``'s model) from its config alone (a dict, a ``config.json``, a
+    folder or a hub id).
 
     The model is built on the meta device (no weights, no download of weights), trained on ``input_ids`` of shape
-    ``(batch_size, seq_len)`` with ``labels=input_ids``, with the attention a user's ``from_config`` gets (SDPA for
+    ``(batch_size, seq_len)`` with ``labels=input_ids`` (another task: its batch and labels, see
+    :func:`~lightning_memtrace.estimator.tasks.task_batch`), with the attention a user's ``from_config`` gets (SDPA for
     most architectures) unless ``attn_implementation`` says otherwise. SDPA runs on the kernel the target would run
     (on CPU the same as a real CPU run; for CUDA, a fused kernel's saved tensors: see
     :mod:`~lightning_memtrace.estimator.attention`); :attr:`Estimate.attention` states which.
@@ -201,7 +217,7 @@ def estimate_from_config(
     Args:
         config: The Hugging Face config.
         batch_size: Micro-batch size.
-        seq_len: Tokens per sequence.
+        seq_len: Tokens per sequence (None for an image task).
         optimizer: ``adamw``, ``adam``, ``sgd`` (momentum 0.9: one state tensor per parameter) or ``sgd-plain``
             (no momentum, no state).
         precision: Lightning's precision setting.
@@ -218,10 +234,17 @@ def estimate_from_config(
         prepare: ``fn(fake_model)`` run on the fake copy before the optimizer is built (see :func:`estimate`).
         ddp_buckets: Data-parallel with DDP (``gradient_as_bucket_view=False``): its gradient buckets, a second copy of
             the gradients, are held throughout (see :func:`estimate`).
+        task: What the model is trained for (``causal-lm``, ``masked-lm``, ``seq2seq-lm``,
+            ``sequence-classification``, ``token-classification``, ``image-classification``); a ``model`` passed in
+            must be the task's (:func:`build_meta_model` with the same ``task``).
+        target_len: A seq2seq model's label tokens (default ``seq_len``).
+        image_size: An image's side for ``image-classification`` (default: the config's ``image_size``, else 224).
     """
     name = OptimizerName(str(optimizer).lower())
     precision = Precision.parse(precision)
-    built = model if model is not None else build_meta_model(config, attn_implementation)
+    task = Task(task)
+    built = model if model is not None else build_meta_model(config, attn_implementation, task)
+    batch = task_batch(task, getattr(built, "config", None), batch_size, seq_len, target_len, image_size)
 
     def factory(fake_model: nn.Module) -> torch.optim.Optimizer:
         params = [p for p in fake_model.parameters() if p.requires_grad]
@@ -233,9 +256,9 @@ def estimate_from_config(
             return torch.optim.SGD(params, lr=lr)
         return torch.optim.SGD(params, lr=lr, momentum=0.9)
 
-    return estimate(
+    made = estimate(
         built,
-        lm_batch(batch_size, seq_len),
+        batch,
         optimizer_factory=optimizer_factory or factory,
         precision=precision,
         accumulate_grad_batches=accumulate_grad_batches,
@@ -246,3 +269,5 @@ def estimate_from_config(
         prepare=prepare,
         ddp_buckets=ddp_buckets,
     )
+    detail = task_detail(task, batch)
+    return dataclasses.replace(made, task=detail) if detail else made

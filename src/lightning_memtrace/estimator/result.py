@@ -52,6 +52,9 @@ class Estimate:
         blas_workspace_bytes: Bytes of the cuBLAS workspaces a CUDA run keeps from its first products on, one for the
             forward's thread and one for the backward's (``other`` in the rows; see
             :mod:`~lightning_memtrace.estimator.blas_workspace`); 0 for a CPU target.
+        task: What a model built from a config is trained for, in words, where not a causal LM
+            (``sequence-classification``, ``image-classification (3 x 224 x 224 images)``...; see
+            :mod:`~lightning_memtrace.estimator.tasks`); empty otherwise.
         allocator_log: For a CUDA target, the requests and frees the caching allocator's model served and its
             settings (see :meth:`allocator_fits`): the rows' ``allocated_bytes`` and ``peak_bytes`` are then the
             allocator's blocks and ``reserved_bytes`` its segments. None for a CPU target (reserved equals allocated).
@@ -78,6 +81,7 @@ class Estimate:
     scratch_unmeasured: tuple[str, ...] = ()
     blas_workspace_bytes: int = 0
     allocator_log: AllocatorLog | None = dataclasses.field(default=None, compare=False)
+    task: str = ""
 
     def __repr__(self) -> str:
         """One line, as :meth:`describe` with the peak (the rows are in ``records``, the table in :meth:`table`)."""
@@ -211,6 +215,7 @@ class Estimate:
             "optimizer_detail": self.optimizer_detail,
             "batch_size": self.batch_size,
             "seq_len": self.seq_len,
+            "task": self.task,
             "accumulate_grad_batches": self.accumulate_grad_batches,
             "gradient_checkpointing": self.gradient_checkpointing,
             "attention": self.attention,
@@ -295,6 +300,8 @@ class Estimate:
         """One line: device, precision, optimizer, batch and options."""
         optimizer = f"{self.optimizer} ({self.optimizer_detail})" if self.optimizer_detail else self.optimizer
         parts = [self.device, self.precision, optimizer]
+        if self.task:
+            parts.append(self.task)
         if self.batch_size is not None:
             parts.append(f"batch {self.batch_size}" + (f" x {self.seq_len} tokens" if self.seq_len else ""))
         if self.accumulate_grad_batches > 1:

@@ -168,15 +168,18 @@ class ModuleSetup(Setup):
 
 
 class ConfigSetup(Setup):
-    """A Hugging Face causal LM from its config, as :func:`~lightning_memtrace.estimator.estimate_from_config` takes it."""
+    """A Hugging Face causal LM (or another task's model) from its config, as
+    :func:`~lightning_memtrace.estimator.estimate_from_config` takes it."""
 
-    def __init__(self, config: Any, seq_len: int, settings: Settings, model: nn.Module | None = None, **options: Any):
+    def __init__(
+        self, config: Any, seq_len: int | None, settings: Settings, model: nn.Module | None = None, **options: Any
+    ):
         from lightning_memtrace.estimator.config import build_meta_model
 
-        self.config, self.seq_len, self.settings = config, int(seq_len), settings
-        self.model = model if model is not None else build_meta_model(config)
+        self.config, self.seq_len, self.settings = config, None if seq_len is None else int(seq_len), settings
+        self.model = model if model is not None else build_meta_model(config, task=options.get("task", "causal-lm"))
         self.checkpointing_line = checkpointing_line(self.model)
-        self.options = options  # optimizer, device, lr, steps
+        self.options = options  # optimizer, device, lr, steps, task, target_len, image_size
 
     def _base_factory(self, model: nn.Module) -> Any:
         from lightning_memtrace.estimator.closed_form import _optimizer_kind
@@ -692,7 +695,7 @@ def what_if(module: nn.Module, batch: Any, **kwargs: Any) -> Any:
 def what_if_from_config(
     config: Any,
     batch_size: int,
-    seq_len: int,
+    seq_len: int | None,
     *,
     device_memory: int | str | None = None,
     devices: int = 1,
@@ -708,8 +711,11 @@ def what_if_from_config(
     max_batch_size: int = 4096,
     jobs: int = 1,
     ddp_buckets: bool = False,
+    task: str = "causal-lm",
+    target_len: int | None = None,
+    image_size: int | None = None,
 ) -> WhatIf:
-    """What would fit, for a Hugging Face causal LM from its config (as
+    """What would fit, for a Hugging Face causal LM (or ``task``'s model) from its config (as
     :func:`~lightning_memtrace.estimator.estimate_from_config` takes it); see :func:`what_if_result` (and
     :func:`what_if_for_setup` for ``jobs``)."""
     from lightning_memtrace.estimator.inputs import Precision
@@ -721,7 +727,10 @@ def what_if_from_config(
         gradient_checkpointing=bool(gradient_checkpointing),
         ddp_buckets=bool(ddp_buckets),
     )
-    setup = ConfigSetup(config, seq_len, settings, model, optimizer=optimizer, device=device, steps=steps)
+    setup = ConfigSetup(
+        config, seq_len, settings, model, optimizer=optimizer, device=device, steps=steps, task=task,
+        target_len=target_len, image_size=image_size,
+    )
     return what_if_for_setup(
         setup,
         device_memory=_bytes(device_memory),

@@ -1,0 +1,130 @@
+"""Models of other tasks than causal LM from their config (``estimate_from_config(task=...)``, ``memtrace estimate
+--task``): each estimate against MemTrace's measurement of a real Lightning CPU run of the same model and batch
+(categories exact, every phase's peak within 3%)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from estimate_checks import check_against_real, real_run
+from torch.utils.data import DataLoader
+
+from lightning_memtrace.cli.estimate import TASKS, main
+from lightning_memtrace.estimator import estimate_from_config
+from lightning_memtrace.estimator.tasks import Task, image_shape, prepare_config, task_batch
+
+_ENCODER = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128}
+BERT = dict(_ENCODER, model_type="bert", vocab_size=1000, max_position_embeddings=256)
+QWEN2 = dict(_ENCODER, model_type="qwen2", vocab_size=1000, max_position_embeddings=256, num_key_value_heads=2)
+T5 = {"model_type": "t5", "d_model": 64, "d_ff": 128, "num_layers": 2, "num_heads": 4, "d_kv": 16, "vocab_size": 1000,
+      "decoder_start_token_id": 0, "pad_token_id": 0}  # fmt: skip
+VIT = dict(_ENCODER, model_type="vit", image_size=32, patch_size=8, num_labels=10)
+RESNET = {"model_type": "resnet", "embedding_size": 16, "hidden_sizes": [16, 32], "depths": [1, 1],
+          "layer_type": "basic", "num_labels": 10}  # fmt: skip
+BATCH, SEQ = 4, 64
+
+#: (task, config, options of the estimate)
+CASES = [
+    ("masked-lm", BERT, {}),
+    ("seq2seq-lm", T5, {"target_len": 16}),
+    ("sequence-classification", dict(BERT, num_labels=3), {}),
+    ("sequence-classification", QWEN2, {}),  # a decoder: the last token found by the padding id, which it lacks
+    ("token-classification", dict(BERT, num_labels=5), {}),
+    ("image-classification", VIT, {}),
+    ("image-classification", RESNET, {"image_size": 48}),
+]
+
+
+class TaskModule(pl.LightningModule):
+    """A task's model from a config dict as a user builds and trains it: ``AutoModelFor<Task>.from_config``, real
+    random batches of the task's shapes, ``model(**batch).loss``."""
+
+    def __init__(self, task: str, config: dict[str, Any], target_len: int | None = None, image_size: int | None = None):
+        super().__init__()
+        import transformers
+
+        self.task = Task(task)
+        hf_config = transformers.AutoConfig.for_model(**config)
+        prepare_config(self.task, hf_config)  # what a user's run sets too (a decoder's padding id)
+        self.model = getattr(transformers, self.task.auto_class).from_config(hf_config)
+        self.shapes = task_batch(self.task, hf_config, BATCH, SEQ, target_len, image_size)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.model(**batch).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(0)
+        config = self.model.config
+        classes = config.num_labels if self.task not in (Task.MASKED_LM, Task.SEQ2SEQ_LM) else config.vocab_size
+
+        def example() -> dict[str, torch.Tensor]:
+            out = {}
+            for name, spec in self.shapes.items():
+                shape = spec.shape[1:]
+                if spec.dtype.is_floating_point:
+                    out[name] = torch.randn(shape, generator=generator)
+                else:
+                    high = classes if name == "labels" else config.vocab_size
+                    out[name] = torch.randint(0, high, shape, generator=generator)
+            return out
+
+        return DataLoader([example() for _ in range(4 * BATCH)], batch_size=BATCH)
+
+
+@pytest.mark.parametrize("task, config, options", CASES, ids=lambda v: v if isinstance(v, str) else None)
+def test_a_tasks_estimate_matches_a_real_run(tmp_path, task, config, options):
+    module = TaskModule(task, config, **options)
+    phases = real_run(tmp_path, module, allocation_backend="auto")
+    seq_len = None if task == "image-classification" else SEQ
+    est = estimate_from_config(config, BATCH, seq_len, device="cpu", task=task, steps=3, **options)
+    check_against_real(est, phases)
+    real_peak = phases[phases.step >= 1].peak_bytes.max()
+    assert abs(est.peak_bytes - real_peak) <= 0.03 * real_peak
+    # the batch as the real run has it: every tensor, labels included
+    batch_bytes = sum(t.nbytes for t in next(iter(module.train_dataloader())).values())
+    assert int(est.to_dataframe().inputs_bytes.max()) == batch_bytes
+
+
+def test_each_tasks_batch_and_model_class():
+    assert TASKS == tuple(task.value for task in Task)  # the command's choices, named without importing torch
+    vit = type("Config", (), {"image_size": 32, "num_channels": 3})()
+    assert image_shape(vit) == (3, 32, 32) and image_shape(vit, 48) == (3, 48, 48)
+    assert image_shape(type("Config", (), {})()) == (3, 224, 224)  # ResNet's configs: no image_size
+    shapes = {name: spec.shape for name, spec in task_batch(Task.SEQ2SEQ_LM, None, 2, 64, 16).items()}
+    assert shapes == {"input_ids": (2, 64), "labels": (2, 16)}
+    shapes = {name: spec.shape for name, spec in task_batch(Task.SEQUENCE_CLASSIFICATION, None, 2, 64).items()}
+    assert shapes == {"input_ids": (2, 64), "labels": (2,)}
+    assert set(task_batch(Task.CAUSAL_LM, None, 2, 64)) == {"input_ids"}  # its labels: the same tensor
+    with pytest.raises(ValueError, match="the masked-lm task needs a sequence length"):
+        task_batch(Task.MASKED_LM, None, 2, None)
+    est = estimate_from_config(dict(BERT, num_labels=3), 2, 32, device="cpu", task="sequence-classification")
+    assert est.task == "sequence-classification" and "cpu, 32-true, AdamW, sequence-classification, batch 2" in (
+        est.describe()
+    )
+    assert est.as_dict()["task"] == "sequence-classification"
+    assert estimate_from_config(QWEN2, 2, 32, device="cpu").task == ""  # a causal LM: the default, not said
+
+
+def test_the_command_estimates_a_task(tmp_path, capsys):
+    config = tmp_path / "vit.json"
+    config.write_text(json.dumps(VIT))
+    assert main(["--config", str(config), "--task", "image-classification", "--batch-size", "4", "--device", "cpu",
+                 "--json"]) == 0  # fmt: skip
+    answer = json.loads(capsys.readouterr().out)["estimate"]
+    assert answer["task"] == "image-classification (3 x 32 x 32 images)" and answer["seq_len"] is None
+    expected = estimate_from_config(VIT, 4, None, device="cpu", task="image-classification")
+    assert answer["peak_bytes"] == expected.peak_bytes
+    for argv, message in [
+        (["--task", "masked-lm", "--batch-size", "4"], "--seq-len is required for --task masked-lm"),
+        (["--batch-size", "4", "--seq-len", "8", "--target-len", "4"], "--target-len goes with --task seq2seq-lm"),
+        (["--batch-size", "4", "--seq-len", "8", "--image-size", "4"], "--image-size goes with --task image-class"),
+    ]:
+        assert main(["--config", str(config), *argv]) == 2
+        assert message in capsys.readouterr().err
