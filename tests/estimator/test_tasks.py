@@ -23,6 +23,11 @@ QWEN2 = dict(_ENCODER, model_type="qwen2", vocab_size=1000, max_position_embeddi
 T5 = {"model_type": "t5", "d_model": 64, "d_ff": 128, "num_layers": 2, "num_heads": 4, "d_kv": 16, "vocab_size": 1000,
       "decoder_start_token_id": 0, "pad_token_id": 0}  # fmt: skip
 VIT = dict(_ENCODER, model_type="vit", image_size=32, patch_size=8, num_labels=10)
+WHISPER = {"model_type": "whisper", "d_model": 64, "encoder_layers": 2, "decoder_layers": 2,
+           "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_ffn_dim": 128,
+           "decoder_ffn_dim": 128, "num_mel_bins": 80,
+           "max_source_positions": 64, "max_target_positions": 32, "vocab_size": 1000, "decoder_start_token_id": 1,
+           "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}  # fmt: skip
 RESNET = {"model_type": "resnet", "embedding_size": 16, "hidden_sizes": [16, 32], "depths": [1, 1],
           "layer_type": "basic", "num_labels": 10}  # fmt: skip
 BATCH, SEQ = 4, 64
@@ -34,9 +39,12 @@ CASES = [
     ("sequence-classification", dict(BERT, num_labels=3), {}),
     ("sequence-classification", QWEN2, {}),  # a decoder: the last token found by the padding id, which it lacks
     ("token-classification", dict(BERT, num_labels=5), {}),
+    ("question-answering", BERT, {}),
     ("image-classification", VIT, {}),
     ("image-classification", RESNET, {"image_size": 48}),
+    ("speech-seq2seq", WHISPER, {}),  # 80 x 128 audio features, labels of max_target_positions (32) tokens
 ]
+UNTOKENIZED = ("image-classification", "speech-seq2seq")
 
 
 class TaskModule(pl.LightningModule):
@@ -51,7 +59,8 @@ class TaskModule(pl.LightningModule):
         hf_config = transformers.AutoConfig.for_model(**config)
         prepare_config(self.task, hf_config)  # what a user's run sets too (a decoder's padding id)
         self.model = getattr(transformers, self.task.auto_class).from_config(hf_config)
-        self.shapes = task_batch(self.task, hf_config, BATCH, SEQ, target_len, image_size)
+        seq_len = None if task in UNTOKENIZED else SEQ
+        self.shapes = task_batch(self.task, hf_config, BATCH, seq_len, target_len, image_size)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         return self.model(**batch).loss
@@ -62,7 +71,8 @@ class TaskModule(pl.LightningModule):
     def train_dataloader(self) -> DataLoader:
         generator = torch.Generator().manual_seed(0)
         config = self.model.config
-        classes = config.num_labels if self.task not in (Task.MASKED_LM, Task.SEQ2SEQ_LM) else config.vocab_size
+        tokens = (Task.MASKED_LM, Task.SEQ2SEQ_LM, Task.SPEECH_SEQ2SEQ)
+        classes = config.vocab_size if self.task in tokens else config.num_labels
 
         def example() -> dict[str, torch.Tensor]:
             out = {}
@@ -71,8 +81,8 @@ class TaskModule(pl.LightningModule):
                 if spec.dtype.is_floating_point:
                     out[name] = torch.randn(shape, generator=generator)
                 else:
-                    high = classes if name == "labels" else config.vocab_size
-                    out[name] = torch.randint(0, high, shape, generator=generator)
+                    high = {"labels": classes, "start_positions": SEQ, "end_positions": SEQ}.get(name)
+                    out[name] = torch.randint(0, high or config.vocab_size, shape, generator=generator)
             return out
 
         return DataLoader([example() for _ in range(4 * BATCH)], batch_size=BATCH)
@@ -82,7 +92,7 @@ class TaskModule(pl.LightningModule):
 def test_a_tasks_estimate_matches_a_real_run(tmp_path, task, config, options):
     module = TaskModule(task, config, **options)
     phases = real_run(tmp_path, module, allocation_backend="auto")
-    seq_len = None if task == "image-classification" else SEQ
+    seq_len = None if task in UNTOKENIZED else SEQ
     est = estimate_from_config(config, BATCH, seq_len, device="cpu", task=task, steps=3, **options)
     check_against_real(est, phases)
     real_peak = phases[phases.step >= 1].peak_bytes.max()
@@ -102,6 +112,11 @@ def test_each_tasks_batch_and_model_class():
     shapes = {name: spec.shape for name, spec in task_batch(Task.SEQUENCE_CLASSIFICATION, None, 2, 64).items()}
     assert shapes == {"input_ids": (2, 64), "labels": (2,)}
     assert set(task_batch(Task.CAUSAL_LM, None, 2, 64)) == {"input_ids"}  # its labels: the same tensor
+    shapes = {name: spec.shape for name, spec in task_batch(Task.QUESTION_ANSWERING, None, 2, 64).items()}
+    assert shapes == {"input_ids": (2, 64), "start_positions": (2,), "end_positions": (2,)}
+    whisper = type("Config", (), {"num_mel_bins": 128, "max_source_positions": 1500, "max_target_positions": 448})()
+    shapes = {name: spec.shape for name, spec in task_batch(Task.SPEECH_SEQ2SEQ, whisper, 2, None).items()}
+    assert shapes == {"input_features": (2, 128, 3000), "labels": (2, 448)}  # 30 s of audio, the longest labels
     with pytest.raises(ValueError, match="the masked-lm task needs a sequence length"):
         task_batch(Task.MASKED_LM, None, 2, None)
     est = estimate_from_config(dict(BERT, num_labels=3), 2, 32, device="cpu", task="sequence-classification")
@@ -123,7 +138,9 @@ def test_the_command_estimates_a_task(tmp_path, capsys):
     assert answer["peak_bytes"] == expected.peak_bytes
     for argv, message in [
         (["--task", "masked-lm", "--batch-size", "4"], "--seq-len is required for --task masked-lm"),
-        (["--batch-size", "4", "--seq-len", "8", "--target-len", "4"], "--target-len goes with --task seq2seq-lm"),
+        (["--batch-size", "4", "--seq-len", "8", "--target-len", "4"], "--target-len goes with --task seq2seq-lm or"),
+        (["--task", "image-classification", "--batch-size", "4", "--seq-len", "8"],
+         "--seq-len does not go with --task image-classification: its inputs' shape comes from the config"),
         (["--batch-size", "4", "--seq-len", "8", "--image-size", "4"], "--image-size goes with --task image-class"),
     ]:
         assert main(["--config", str(config), *argv]) == 2

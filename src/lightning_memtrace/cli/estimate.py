@@ -63,7 +63,9 @@ TASKS = (
     "seq2seq-lm",
     "sequence-classification",
     "token-classification",
+    "question-answering",
     "image-classification",
+    "speech-seq2seq",
 )
 #: ``--attn-implementation`` choices (transformers' names); without the option, transformers' default for the model.
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
@@ -94,7 +96,7 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         "--batch-size", type=positive_int, default=None, help="micro-batch size (required unless --find-max-batch)"
     )
     parser.add_argument(
-        "--seq-len", type=positive_int, default=None, help="tokens per sequence (required unless an image task)"
+        "--seq-len", type=positive_int, default=None, help="tokens per sequence (required but for image and speech)"
     )
     parser.add_argument(
         "--task",
@@ -104,7 +106,11 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         "labels of its batch (default causal-lm)",
     )
     parser.add_argument(
-        "--target-len", type=positive_int, default=None, help="seq2seq-lm: tokens of the labels (default --seq-len)"
+        "--target-len",
+        type=positive_int,
+        default=None,
+        help="seq2seq-lm, speech-seq2seq: tokens of the labels (default --seq-len; speech: the config's "
+        "max_target_positions)",
     )
     parser.add_argument(
         "--image-size",
@@ -219,10 +225,13 @@ def run_estimate(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> None:
-    if args.seq_len is None and args.task != "image-classification":
+    untokenized = args.task in ("image-classification", "speech-seq2seq")
+    if args.seq_len is None and not untokenized:
         raise ValueError(f"--seq-len is required for --task {args.task}")
-    if args.target_len is not None and args.task != "seq2seq-lm":
-        raise ValueError("--target-len goes with --task seq2seq-lm")
+    if args.seq_len is not None and untokenized:
+        raise ValueError(f"--seq-len does not go with --task {args.task}: its inputs' shape comes from the config")
+    if args.target_len is not None and args.task not in ("seq2seq-lm", "speech-seq2seq"):
+        raise ValueError("--target-len goes with --task seq2seq-lm or speech-seq2seq")
     if args.image_size is not None and args.task != "image-classification":
         raise ValueError("--image-size goes with --task image-classification")
     if args.what_if and args.batch_size is None:

@@ -304,7 +304,8 @@ def build_server() -> Any:
         copy of the gradients on every rank); device_memory: e.g. "80GiB" (then "fits" is in the answer);
         find_max_batch: search the largest micro-batch that fits in device_memory (up to max_batch_size); task:
         causal-lm (default), masked-lm, seq2seq-lm (target_len: its label tokens), sequence-classification,
-        token-classification or image-classification (image_size: an image's side; no seq_len)."""
+        token-classification, question-answering, image-classification (image_size: an image's side; no seq_len) or
+        speech-seq2seq (Whisper: audio features from its config, target_len label tokens; no seq_len)."""
         argv = estimate_argv(
             config,
             seq_len,

@@ -217,7 +217,7 @@ def estimate_from_config(
     Args:
         config: The Hugging Face config.
         batch_size: Micro-batch size.
-        seq_len: Tokens per sequence (None for an image task).
+        seq_len: Tokens per sequence (None for an image or speech task).
         optimizer: ``adamw``, ``adam``, ``sgd`` (momentum 0.9: one state tensor per parameter) or ``sgd-plain``
             (no momentum, no state).
         precision: Lightning's precision setting.
@@ -235,9 +235,11 @@ def estimate_from_config(
         ddp_buckets: Data-parallel with DDP (``gradient_as_bucket_view=False``): its gradient buckets, a second copy of
             the gradients, are held throughout (see :func:`estimate`).
         task: What the model is trained for (``causal-lm``, ``masked-lm``, ``seq2seq-lm``,
-            ``sequence-classification``, ``token-classification``, ``image-classification``); a ``model`` passed in
-            must be the task's (:func:`build_meta_model` with the same ``task``).
-        target_len: A seq2seq model's label tokens (default ``seq_len``).
+            ``sequence-classification``, ``token-classification``, ``question-answering``, ``image-classification``,
+            ``speech-seq2seq``); a ``model`` passed in must be the task's (:func:`build_meta_model` with the same
+            ``task``).
+        target_len: A seq2seq model's label tokens (default ``seq_len``; speech: the config's
+            ``max_target_positions``).
         image_size: An image's side for ``image-classification`` (default: the config's ``image_size``, else 224).
     """
     name = OptimizerName(str(optimizer).lower())

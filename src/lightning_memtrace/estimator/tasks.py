@@ -1,9 +1,10 @@
 """What a model built from a Hugging Face config is trained for: the class a user's ``from_config`` builds for the
 task, and the batch it trains on, as shapes.
 
-Each task's batch holds its ``labels``, so the model's own loss runs (``model(**batch).loss``), as a user's
-``training_step`` calls it; a causal LM's batch is ``input_ids`` only, its labels the same tensor. Labels are fake
-tensors: their values are never read (the losses need shapes and dtypes only).
+Each task's batch holds its labels (``labels``; a question's ``start_positions`` and ``end_positions``), so the
+model's own loss runs (``model(**batch).loss``), as a user's ``training_step`` calls it; a causal LM's batch is
+``input_ids`` only, its labels the same tensor. Labels are fake tensors: their values are never read (the losses
+need shapes and dtypes only).
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ class Task(TextEnum):
     SEQ2SEQ_LM = "seq2seq-lm"
     SEQUENCE_CLASSIFICATION = "sequence-classification"
     TOKEN_CLASSIFICATION = "token-classification"
+    QUESTION_ANSWERING = "question-answering"
     IMAGE_CLASSIFICATION = "image-classification"
+    SPEECH_SEQ2SEQ = "speech-seq2seq"
 
     @property
     def auto_class(self) -> str:
@@ -36,8 +39,8 @@ class Task(TextEnum):
 
     @property
     def takes_tokens(self) -> bool:
-        """Whether the batch is token ids (of ``seq_len`` tokens); else images."""
-        return self is not Task.IMAGE_CLASSIFICATION
+        """Whether the batch is token ids (of ``seq_len`` tokens); else images or audio features."""
+        return self not in (Task.IMAGE_CLASSIFICATION, Task.SPEECH_SEQ2SEQ)
 
 
 _AUTO_CLASSES = {
@@ -46,7 +49,9 @@ _AUTO_CLASSES = {
     Task.SEQ2SEQ_LM: "AutoModelForSeq2SeqLM",
     Task.SEQUENCE_CLASSIFICATION: "AutoModelForSequenceClassification",
     Task.TOKEN_CLASSIFICATION: "AutoModelForTokenClassification",
+    Task.QUESTION_ANSWERING: "AutoModelForQuestionAnswering",
     Task.IMAGE_CLASSIFICATION: "AutoModelForImageClassification",
+    Task.SPEECH_SEQ2SEQ: "AutoModelForSpeechSeq2Seq",
 }
 
 
@@ -68,6 +73,14 @@ def image_shape(hf_config: Any, image_size: int | None = None) -> tuple[int, int
     return channels, int(height), int(width)
 
 
+def audio_shape(hf_config: Any) -> tuple[int, int]:
+    """Mel bins and frames of one example's audio features as Whisper's encoder takes them: ``num_mel_bins`` by
+    twice ``max_source_positions`` (its second convolution halves the frames; 80 x 3,000 for 30 s of audio)."""
+    return int(getattr(hf_config, "num_mel_bins", None) or 80), 2 * int(
+        getattr(hf_config, "max_source_positions", None) or 1500
+    )
+
+
 def task_batch(
     task: Task,
     hf_config: Any,
@@ -77,12 +90,19 @@ def task_batch(
     image_size: int | None = None,
 ) -> dict[str, InputSpec]:
     """The batch of ``batch_size`` examples the task trains on, as shapes: token ids of ``seq_len`` (a seq2seq model's
-    labels of ``target_len``, default ``seq_len``) or images (see :func:`image_shape`), with their labels."""
+    labels of ``target_len``, default ``seq_len``), images (see :func:`image_shape`) or audio features (see
+    :func:`audio_shape`; labels of ``target_len`` tokens, default 448, Whisper's most), with their labels."""
     ids, batch = torch.int64, int(batch_size)
     if task is Task.IMAGE_CLASSIFICATION:
         return {
             "pixel_values": InputSpec((batch, *image_shape(hf_config, image_size)), torch.float32),
             "labels": InputSpec((batch,), ids),
+        }
+    if task is Task.SPEECH_SEQ2SEQ:
+        target = int(target_len) if target_len is not None else int(getattr(hf_config, "max_target_positions", 448))
+        return {
+            "input_features": InputSpec((batch, *audio_shape(hf_config)), torch.float32),
+            "labels": InputSpec((batch, target), ids),
         }
     if seq_len is None:
         raise ValueError(f"the {task} task needs a sequence length")
@@ -94,6 +114,12 @@ def task_batch(
         return {"input_ids": InputSpec(tokens, ids), "labels": InputSpec((batch, target), ids)}
     if task is Task.SEQUENCE_CLASSIFICATION:
         return {"input_ids": InputSpec(tokens, ids), "labels": InputSpec((batch,), ids)}
+    if task is Task.QUESTION_ANSWERING:
+        return {
+            "input_ids": InputSpec(tokens, ids),
+            "start_positions": InputSpec((batch,), ids),
+            "end_positions": InputSpec((batch,), ids),
+        }
     return {"input_ids": InputSpec(tokens, ids), "labels": InputSpec(tokens, ids)}  # masked-lm, token-classification
 
 
@@ -106,4 +132,7 @@ def task_detail(task: Task, batch: dict[str, InputSpec]) -> str:
         return f"{task} ({channels} x {height} x {width} images)"
     if task is Task.SEQ2SEQ_LM:
         return f"{task} (targets of {batch['labels'].shape[1]} tokens)"
+    if task is Task.SPEECH_SEQ2SEQ:
+        bins, frames = batch["input_features"].shape[1:]
+        return f"{task} ({bins} x {frames} audio features, targets of {batch['labels'].shape[1]} tokens)"
     return str(task)
