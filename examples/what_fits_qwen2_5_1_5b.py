@@ -57,9 +57,10 @@ def main() -> None:
 
     needs, expandable = today.allocator_needs(), today.allocator_needs_expandable()
     print(
-        f"\nCUDA's caching allocator (modelled) reserves up to {format_bytes(today.peak_reserved_bytes)} for this step "
-        f"where nothing makes it give memory back, and needs {format_bytes(needs)} to serve every request when it "
-        f"must free its cache first: {format_bytes(needs - today.peak_bytes)} of fragmentation above the peak. With "
+        f"\nCUDA's caching allocator (modelled) reserves up to {format_bytes(today.long_run_reserved_bytes)} "
+        f"(the steady step served on, step after step) where nothing makes it give memory back, and needs "
+        f"{format_bytes(needs)} to serve every request when it must free its cache first: "
+        f"{format_bytes(needs - today.peak_bytes)} of fragmentation above the peak. With "
         f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True it would need {format_bytes(expandable)}."
     )
 
