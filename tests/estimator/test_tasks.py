@@ -145,3 +145,9 @@ def test_the_command_estimates_a_task(tmp_path, capsys):
     ]:
         assert main(["--config", str(config), *argv]) == 2
         assert message in capsys.readouterr().err
+    bert = tmp_path / "bert.json"
+    bert.write_text(json.dumps(BERT))
+    assert main(["--config", str(bert), "--task", "image-classification", "--batch-size", "4"]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("memtrace: error: cannot read the model config") and error.count("\n") == 1
+    assert "for this kind of AutoModel: AutoModelForImageClassification" in error
