@@ -51,7 +51,15 @@ class TaskModule(pl.LightningModule):
     """A task's model from a config dict as a user builds and trains it: ``AutoModelFor<Task>.from_config``, real
     random batches of the task's shapes, ``model(**batch).loss``."""
 
-    def __init__(self, task: str, config: dict[str, Any], target_len: int | None = None, image_size: int | None = None):
+    def __init__(
+        self,
+        task: str,
+        config: dict[str, Any],
+        target_len: int | None = None,
+        image_size: int | None = None,
+        batch_size: int = BATCH,
+        seq_len: int = SEQ,
+    ):
         super().__init__()
         import transformers
 
@@ -59,8 +67,8 @@ class TaskModule(pl.LightningModule):
         hf_config = transformers.AutoConfig.for_model(**config)
         prepare_config(self.task, hf_config)  # what a user's run sets too (a decoder's padding id)
         self.model = getattr(transformers, self.task.auto_class).from_config(hf_config)
-        seq_len = None if task in UNTOKENIZED else SEQ
-        self.shapes = task_batch(self.task, hf_config, BATCH, seq_len, target_len, image_size)
+        self.batch_size, self.seq_len = batch_size, None if task in UNTOKENIZED else seq_len
+        self.shapes = task_batch(self.task, hf_config, batch_size, self.seq_len, target_len, image_size)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         return self.model(**batch).loss
@@ -81,11 +89,12 @@ class TaskModule(pl.LightningModule):
                 if spec.dtype.is_floating_point:
                     out[name] = torch.randn(shape, generator=generator)
                 else:
-                    high = {"labels": classes, "start_positions": SEQ, "end_positions": SEQ}.get(name)
+                    positions = self.seq_len or 1
+                    high = {"labels": classes, "start_positions": positions, "end_positions": positions}.get(name)
                     out[name] = torch.randint(0, high or config.vocab_size, shape, generator=generator)
             return out
 
-        return DataLoader([example() for _ in range(4 * BATCH)], batch_size=BATCH)
+        return DataLoader([example() for _ in range(4 * self.batch_size)], batch_size=self.batch_size)
 
 
 @pytest.mark.parametrize("task, config, options", CASES, ids=lambda v: v if isinstance(v, str) else None)

@@ -257,3 +257,34 @@ def test_the_long_run_reserved_bytes_meet_a_longer_gpu_run(tmp_path, monkeypatch
                       "max_memory_reserved_12_steps": reserved, "max_memory_allocated": allocated,
                       "error_percent": 100 * error}))
     assert abs(error) <= 0.05
+
+
+#: A ViT-Small-sized image classifier and a 6-layer BERT-base-wide sequence classifier, from config.
+_VIT_SMALL = {"model_type": "vit", "hidden_size": 384, "num_hidden_layers": 6, "num_attention_heads": 6,
+              "intermediate_size": 1536, "image_size": 224, "patch_size": 16, "num_labels": 100}  # fmt: skip
+_BERT_6 = {"model_type": "bert", "hidden_size": 768, "num_hidden_layers": 6, "num_attention_heads": 12,
+           "intermediate_size": 3072, "vocab_size": 30522, "max_position_embeddings": 512, "num_labels": 3}  # fmt: skip
+
+
+@pytest.mark.parametrize(("task", "config", "batch_size", "seq_len"), [
+    ("image-classification", _VIT_SMALL, 32, None),
+    ("sequence-classification", _BERT_6, 16, 256),
+])  # fmt: skip
+def test_a_tasks_cuda_estimate_meets_the_gpu_run(tmp_path, task, config, batch_size, seq_len):
+    """``estimate_from_config(task=...)`` for CUDA against a plain 3-step GPU run of the same model and batch."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "estimator"))
+    from test_tasks import TaskModule
+
+    estimate = estimate_from_config(config, batch_size, seq_len, device="cuda", task=task, steps=3)
+    base = _fresh_cuda()
+    module = TaskModule(task, config, batch_size=batch_size, seq_len=seq_len or 0)
+    try:
+        trainer(tmp_path, [], accelerator="gpu", devices=1, max_steps=3).fit(module)
+        peak = torch.cuda.max_memory_allocated() - base
+    finally:
+        del module
+        _fresh_cuda()
+    error = (estimate.peak_bytes - peak) / peak
+    print(json.dumps({"task": task, "estimate": estimate.peak_bytes, "max_memory_allocated": peak,
+                      "error_percent": 100 * error}))
+    assert abs(error) <= 0.10
