@@ -11,6 +11,7 @@ from torch import nn
 
 from lightning_memtrace.analysis.allocator_settings import AllocatorSettings
 from lightning_memtrace.estimator import compare_estimate, estimate, estimate_from_config
+from lightning_memtrace.estimator import allocator_log
 from lightning_memtrace.estimator.allocator_log import AllocatorLog, StepRepeat
 
 from tests.shared_files import config_path
@@ -121,3 +122,12 @@ def test_a_longer_runs_reserved_bytes_are_compared_with_the_steps_served_on(gpt2
     # a run as long as the estimate: its own rows
     reserved = compare_estimate(two, two.to_dataframe()).set_index("category").loc["reserved"]
     assert reserved.estimated_bytes == reserved.measured_bytes == 5470 * MIB
+
+
+def test_a_step_of_many_requests_is_served_on_for_fewer_steps(monkeypatch) -> None:
+    log = AllocatorLog(AllocatorSettings(), TWO_STEPS, STEP_STARTS)  # its last step: 4 requests and frees
+    assert log.steps_limit == allocator_log.STEP_LIMIT == 64
+    monkeypatch.setattr(allocator_log, "OPS_LIMIT", 40)
+    assert log.steps_limit == 10
+    monkeypatch.setattr(allocator_log, "OPS_LIMIT", 8)
+    assert log.steps_limit == allocator_log.MIN_STEPS == 4

@@ -26,6 +26,10 @@ from lightning_memtrace.analysis.caching_allocator import CachingAllocatorModel,
 
 #: Steps served past the estimated ones at most, where the allocator's state does not repeat before.
 STEP_LIMIT = 64
+#: Requests and frees served past the estimated steps at most (fewer steps where a step makes many: each
+#: verdict of ``allocator_needs()``'s bisection serves them again), though always :data:`MIN_STEPS` steps.
+OPS_LIMIT = 300_000
+MIN_STEPS = 4
 #: Steps without growth after which reserved bytes are taken as grown to their most, where the state does not repeat.
 STABLE_STEPS = 16
 
@@ -44,7 +48,7 @@ class Served:
         reserved_from_step: The optimizer step (from 0) in which it first reserved that much.
         steps: Optimizer steps served, the estimated ones and those served again.
         repeats_from: The step whose starting state the last served step's end repeats (every later step repeats
-            one served); None where the steps were not served again, or :data:`STEP_LIMIT` came first.
+            one served); None where the steps were not served again, or another limit came first.
         reserved_by_step: Per step served, the most reserved up to its end.
     """
 
@@ -124,7 +128,7 @@ class AllocatorLog:
         """Serve the log under ``capacity`` and ``settings`` where given, then its last step again until the
         allocator's state at a step's start repeats an earlier one (see the module's docstring), or until ``steps``
         steps are served; where neither comes first, until its reserved bytes have not grown for
-        :data:`STABLE_STEPS` steps (and for as many steps as it took to grow to them), or :data:`STEP_LIMIT` more
+        :data:`STABLE_STEPS` steps (and for as many steps as it took to grow to them), or :attr:`steps_limit` more
         steps are served."""
         model = CachingAllocatorModel(settings or self.settings, capacity=None if capacity is None else int(capacity))
         repeat = self.step_repeat
@@ -154,7 +158,7 @@ class AllocatorLog:
             carried_ids = {id(b) for b in carried}
             kept_for_good = [b for b in blocks if b is not None and id(b) not in carried_ids]
             seen = {_state(model, carried, kept_for_good): len(stops)}
-            last = len(stops) + STEP_LIMIT if steps is None else max(steps, len(stops))
+            last = len(stops) + self.steps_limit if steps is None else max(steps, len(stops))
             for step in range(len(stops), last):
                 if steps is None and step - peaks.reserved_step > max(STABLE_STEPS, peaks.reserved_step):
                     return peaks.served(True, step, None)
@@ -168,6 +172,14 @@ class AllocatorLog:
         except SimulatedOutOfMemory:
             peaks.end_step(step)
             return peaks.served(False, step + 1, None)
+
+    @property
+    def steps_limit(self) -> int:
+        """Steps served past the estimated ones at most: :data:`STEP_LIMIT`, fewer where the step makes so many
+        requests that they would pass :data:`OPS_LIMIT` (at least :data:`MIN_STEPS`)."""
+        repeat = self.step_repeat
+        per_step = len(repeat.ops) if repeat is not None else 1
+        return min(STEP_LIMIT, max(MIN_STEPS, OPS_LIMIT // max(1, per_step)))
 
     @functools.cached_property
     def step_repeat(self) -> StepRepeat | None:
