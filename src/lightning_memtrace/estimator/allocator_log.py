@@ -125,9 +125,9 @@ class AllocatorLog:
     def serve(
         self, capacity: int | None = None, settings: AllocatorSettings | None = None, steps: int | None = None
     ) -> Served:
-        """Serve the log under ``capacity`` and ``settings`` where given, then its last step again until the
-        allocator's state at a step's start repeats an earlier one (see the module's docstring), or until ``steps``
-        steps are served; where neither comes first, until its reserved bytes have not grown for
+        """Serve the log under ``capacity`` and ``settings`` where given, then its last step again: until ``steps``
+        steps are served where given; else until the allocator's state at a step's start repeats an earlier one (see
+        the module's docstring) or its reserved bytes have not grown for
         :data:`STABLE_STEPS` steps (and for as many steps as it took to grow to them), or :attr:`steps_limit` more
         steps are served."""
         model = CachingAllocatorModel(settings or self.settings, capacity=None if capacity is None else int(capacity))
@@ -157,17 +157,20 @@ class AllocatorLog:
             carried = [blocks[repeat.first + j] for j in repeat.kept]
             carried_ids = {id(b) for b in carried}
             kept_for_good = [b for b in blocks if b is not None and id(b) not in carried_ids]
-            seen = {_state(model, carried, kept_for_good): len(stops)}
-            last = len(stops) + self.steps_limit if steps is None else max(steps, len(stops))
+            # a given number of steps (a capped pass of the bisection) is served whole: no state is compared
+            unbounded = steps is None
+            seen = {_state(model, carried, kept_for_good): len(stops)} if unbounded else {}
+            last = len(stops) + self.steps_limit if unbounded else max(int(steps or 0), len(stops))
             for step in range(len(stops), last):
-                if steps is None and step - peaks.reserved_step > max(STABLE_STEPS, peaks.reserved_step):
+                if unbounded and step - peaks.reserved_step > max(STABLE_STEPS, peaks.reserved_step):
                     return peaks.served(True, step, None)
                 carried = _serve_step(model, repeat, carried)
                 peaks.end_step(step)
-                state = _state(model, carried, kept_for_good)
-                if state in seen:
-                    return peaks.served(True, step + 1, seen[state])
-                seen[state] = step + 1
+                if unbounded:
+                    state = _state(model, carried, kept_for_good)
+                    if state in seen:
+                        return peaks.served(True, step + 1, seen[state])
+                    seen[state] = step + 1
             return peaks.served(True, last, None)
         except SimulatedOutOfMemory:
             peaks.end_step(step)
