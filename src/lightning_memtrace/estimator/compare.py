@@ -90,7 +90,7 @@ def compare_estimate(
     long_run = estimate.long_run
     if long_run is not None and len(measured) and "step" in measured.columns:
         # a run longer than the estimate: its allocator may have reserved more in the later steps, served on
-        _served_on(compared[-1], long_run.reserved_through(int(measured["step"].max())))
+        _served_on(compared[-1], long_run.reserved_through(int(measured["step"].max()) - estimate.first_step))
     frame = pd.DataFrame(compared)
     for column in ("estimated_bytes", "measured_bytes", "error_bytes"):
         frame[column] = frame[column].astype("int64")

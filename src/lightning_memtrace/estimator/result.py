@@ -231,7 +231,9 @@ class Estimate:
             "peak_bytes": self.peak_bytes,
             "peak_reserved_bytes": self.peak_reserved_bytes,
             "long_run_reserved_bytes": self.long_run_reserved_bytes,
-            "long_run_reserved_step": self.long_run.reserved_from_step if self.long_run is not None else None,
+            "long_run_reserved_step": (
+                self.first_step + self.long_run.reserved_from_step if self.long_run is not None else None
+            ),
             "allocator_needs_bytes": self.allocator_needs(),
             "allocator_needs_expandable_bytes": self.allocator_needs_expandable(),
             "phase_peaks": {p.value: v for p, v in self.phase_peaks().items()},
@@ -273,16 +275,23 @@ class Estimate:
                 "; the steady step could not be served on (it keeps more than it frees of the step before), so later "
                 "steps may reserve more"
             )
-        first, last = self.steady_step + 1, long_run.steps - 1
+        base = self.first_step
+        first, last = self.steady_step + 1, base + long_run.steps - 1
         if last < first:
             return ""
         served = f"; served on over steps {first}-{last} (the steady step's requests again"
         if long_run.repeats_from is not None:
-            served += f", until the allocator's state repeats step {long_run.repeats_from}'s"
+            served += f", until the allocator's state repeats step {base + long_run.repeats_from}'s"
         total = self.long_run_reserved_bytes or 0
         if total <= reserved:
             return f"{served}), it reserves no more"
-        return f"{served}), it reserves {format_bytes(total)} ({total:,} B) from step {long_run.reserved_from_step} on"
+        since = base + long_run.reserved_from_step
+        return f"{served}), it reserves {format_bytes(total)} ({total:,} B) from step {since} on"
+
+    @property
+    def first_step(self) -> int:
+        """The first estimated step's number (the allocator's log counts its steps from it)."""
+        return min((r.step for r in self.records), default=0)
 
     def _peak_line(self, step: int, first: int, rows: list[PhaseRecord]) -> str:
         record = self.peak_record
