@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import warnings
 
 import pandas as pd
 import pytest
@@ -96,19 +97,19 @@ def test_estimate_writes_what_would_fit(tmp_path, caplog):
     assert "to fit " in section and ": nothing to change" in section  # the combination line: the MLP fits as it is
 
 
-def test_estimate_under_manual_optimization_warns_once_and_measures(tmp_path):
-    callback = MemTrace(estimate=True, history=False, report=False)
-    with pytest.warns(UserWarning) as caught:
+def test_estimate_under_manual_optimization_with_two_optimizers(tmp_path):
+    callback = MemTrace(estimate=True, history=False, report=False, what_if_budget_s=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         trainer(tmp_path, [callback], max_steps=4).fit(TwoOptimizers())
-    ours = [str(w.message) for w in caught if str(w.message).startswith("MemTrace")]
-    assert ours == [
-        "MemTrace could not estimate this run (ValueError: manual optimization is not supported by the estimate: use "
-        "automatic optimization); measuring only."
-    ]
-    assert callback.estimated is False and callback.what_if_path is None
+    assert not [str(w.message) for w in caught if str(w.message).startswith("MemTrace")]
+    assert callback.estimated and callback.estimated.optimizer == "Adam + SGD"
     phases = pd.read_csv(callback.output_dir / "phases_rank0.csv")
     assert (phases.phase == "after_optimizer_step").sum() == 4  # two optimizer steps in each of two batches
-    assert not (callback.output_dir / "estimate_vs_measured_rank0.csv").exists()
+    comparison = pd.read_csv(callback.output_dir / "estimate_vs_measured_rank0.csv").set_index("category")
+    for category in ("parameters", "gradients", "optimizer_state", "inputs", "activations"):
+        assert comparison.loc[category, "error_bytes"] == 0, category
+    assert abs(comparison.loc["peak", "error_percent"]) <= 3.0
 
 
 class _WithAdafactor(MLP):

@@ -186,9 +186,9 @@ class MemTrace(Callback):
             ``remedy``, ``peak_bytes``, ``saved_bytes``, ``fits``, ``max_micro_batch``, ``kind``, ``price``,
             ``<category>_bytes``; bytes) and ``what_if_rank<R>.json`` (also the combination, its snippet, the skipped
             remedies), which the report shows as "What would fit". Under DDP with ``gradient_as_bucket_view=False``
-            both hold DDP's gradient buckets (and the what-if tries ``gradient_as_bucket_view``). Automatic
-            optimization only: under manual optimization, or with a module sharded already (FSDP), one warning says
-            that no estimate is made.
+            both hold DDP's gradient buckets (and the what-if tries ``gradient_as_bucket_view``). Under manual
+            optimization the module's ``training_step`` steps its (fake) optimizers itself; with a module sharded
+            already (FSDP), one warning says that no estimate is made.
         allocation_backend: How the CPU tracker sees allocations. ``"auto"`` (default): the CPU allocator's own
             reports, read through a profiler session that records nothing else (no Python work per operator; the
             dispatch mode runs only in the history window, for stacks), or the dispatch mode where that session
@@ -383,7 +383,7 @@ class MemTrace(Callback):
 
     @_guarded
     def _begin_train_batch(self, trainer: pl.Trainer, batch: Any, batch_idx: int) -> None:
-        if self.estimate and self.estimated is None:  # under manual optimization: one warning says why there is none
+        if self.estimate and self.estimated is None:  # where none can be made (FSDP): one warning says why
             with shown_once_kept():
                 self.estimated, self._estimate_metrics = extras.estimate_run(trainer, batch)
             if self.estimated:

@@ -15,7 +15,7 @@ from estimate_checks import (
     check_against_real,
     real_run,
 )
-from lm_helpers import MLP, PositionLoop, TinyLM, TwoOptimizers, trainer
+from lm_helpers import MLP, PositionLoop, TinyLM, trainer
 
 from lightning_memtrace import MemTrace, load_phases
 from lightning_memtrace.estimator import (
@@ -176,15 +176,6 @@ def test_estimate_prints_as_one_line():
     for text in (repr(est), str(est)):
         assert "\n" not in text and "PhaseRecord" not in text
         assert est.describe() in text and "peak" in text
-
-
-def test_manual_optimization_is_refused_before_any_work(monkeypatch):
-    """Neither the fake copy nor ``configure_optimizers`` runs first: for a large model they take a while."""
-    module = TwoOptimizers()
-    monkeypatch.setattr(module, "configure_optimizers", lambda: pytest.fail("configure_optimizers was called"))
-    monkeypatch.setattr("lightning_memtrace.estimator.run.fake_copy", lambda *a, **k: pytest.fail("copied"))
-    with pytest.raises(ValueError, match="^manual optimization is not supported by the estimate"):
-        estimate_for_module(module, (torch.randn(8, 16),))
 
 
 

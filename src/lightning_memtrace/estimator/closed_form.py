@@ -50,8 +50,8 @@ def closed_form(model: nn.Module, optimizer: Any = None, steps_on_device: bool =
 
     Args:
         model: The module; tied parameters count once.
-        optimizer: A ``torch.optim.Optimizer`` (its class and ``momentum`` decide the state), an
-            :class:`OptimizerName`, or None (no optimizer state).
+        optimizer: A ``torch.optim.Optimizer`` (its class and ``momentum`` decide the state), a list of them (each
+            over the parameters it holds), an :class:`OptimizerName`, or None (no optimizer state).
         steps_on_device: Whether Adam's ``step`` scalars live on the measured device (true on CPU runs).
     """
     storages: dict[int, tuple[Tensor, bool]] = {}
@@ -64,8 +64,28 @@ def closed_form(model: nn.Module, optimizer: Any = None, steps_on_device: bool =
     param_bytes = sum(p.numel() * p.element_size() for p, _ in storages.values())
     grad_bytes = sum(p.numel() * p.element_size() for p, grad in storages.values() if grad)
     trainable_tensors = sum(1 for _, grad in storages.values() if grad)
-    state, steps = _optimizer_state(_optimizer_kind(optimizer), grad_bytes, trainable_tensors, steps_on_device)
+    if isinstance(optimizer, (list, tuple)):  # several (manual optimization): each over its own parameters
+        state, steps = _optimizers_state(optimizer, steps_on_device)
+    else:
+        state, steps = _optimizer_state(_optimizer_kind(optimizer), grad_bytes, trainable_tensors, steps_on_device)
     return ClosedForm(count, trainable, len(storages), param_bytes, grad_bytes, state, steps)
+
+
+def _optimizers_state(optimizers: Any, steps_on_device: bool) -> tuple[int | None, int]:
+    """:func:`_optimizer_state` summed over optimizers, each over the distinct trainable parameters it holds."""
+    total: int | None = 0
+    steps = 0
+    for optimizer in optimizers:
+        params: dict[int, Tensor] = {}
+        for group in getattr(optimizer, "param_groups", []):
+            for param in group["params"]:
+                if param.requires_grad:
+                    params.setdefault(param.untyped_storage()._cdata, param)
+        grad_bytes = sum(p.numel() * p.element_size() for p in params.values())
+        state, step = _optimizer_state(_optimizer_kind(optimizer), grad_bytes, len(params), steps_on_device)
+        total = None if total is None or state is None else total + state
+        steps += step
+    return total, steps
 
 
 def _optimizer_state(

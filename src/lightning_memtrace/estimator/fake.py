@@ -277,6 +277,8 @@ class TrainerView:
 
     def __init__(self, trainer: Any) -> None:
         object.__setattr__(self, "_viewed", trainer)
+        #: What the estimate answers in the run's place (under manual optimization: its optimizers, strategy...).
+        object.__setattr__(self, "overrides", {})
 
     @property
     def logger(self) -> None:
@@ -287,7 +289,13 @@ class TrainerView:
         return []
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(object.__getattribute__(self, "_viewed"), name)
+        overrides = object.__getattribute__(self, "overrides")
+        if name in overrides:
+            return overrides[name]
+        viewed = object.__getattribute__(self, "_viewed")
+        if viewed is None:
+            raise AttributeError(f"the estimate's copy of the module has no Trainer to read {name!r} from")
+        return getattr(viewed, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
         return None

@@ -1,6 +1,7 @@
 """Lightning's automatic optimization loop on fake tensors, step for step, with MemTrace's recorder taking the rows.
 
-Order of a batch: batch_start, forward, zero_grad (set_to_none), backward, optimizer step, batch_end.
+Order of a batch: batch_start, forward, zero_grad (set_to_none), backward, optimizer step, batch_end. Under manual
+optimization the module's ``training_step`` does the work (see :mod:`~lightning_memtrace.estimator.manual`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from lightning_memtrace.estimator.host_offload import host_copies_uncounted
 from lightning_memtrace.capture.ddp_buckets import bucket_tensors
 from lightning_memtrace.estimator.fake import backward_in_function_modes, fake_batch
 from lightning_memtrace.estimator.inputs import Precision
+from lightning_memtrace.estimator.manual import ManualOptimization
 from lightning_memtrace.estimator.meta_recorder import meta_recorder
 from lightning_memtrace.estimator.modelled_cuda import ModelledCudaAllocator
 from lightning_memtrace.types import PhaseRecord
@@ -116,6 +118,7 @@ def run_steps(
     kernel_scratch: KernelScratchRule | None = None,
     host_offload: bool = False,
     allocator: ModelledCudaAllocator | None = None,
+    manual: tuple[list[torch.optim.Optimizer], list[Any]] | None = None,
 ) -> list[PhaseRecord]:
     """Lightning's automatic optimization loop, step for step, with MemTrace's recorder taking the rows
     (``ddp_buckets``: with DDP's gradient buckets alive throughout, see
@@ -124,9 +127,14 @@ def run_steps(
     :mod:`~lightning_memtrace.estimator.blas_workspace`; ``host_offload``: ``save_on_cpu``'s copies are host memory,
     not the target's, see :mod:`~lightning_memtrace.estimator.host_offload`; ``allocator``: the CUDA caching
     allocator's model the rows' allocated, reserved and peak bytes come from, see
-    :mod:`~lightning_memtrace.estimator.modelled_cuda`)."""
-    recorder = meta_recorder(model, optimizer, device, kernel_scratch, allocator)
+    :mod:`~lightning_memtrace.estimator.modelled_cuda`; ``manual``: the optimizers and schedulers' configs of a
+    LightningModule under manual optimization, whose ``training_step`` then does the work, see
+    :mod:`~lightning_memtrace.estimator.manual`)."""
+    recorder = meta_recorder(model, manual[0] if manual else [optimizer], device, kernel_scratch, allocator)
     loop = LightningLoop(model, optimizer, recorder, device, precision, accumulate, lightning, training_step)
+    if manual is not None:
+        loop.manual = ManualOptimization(manual[0], manual[1], recorder, precision, device, loop.count_step)
+        loop.manual.attach(model)
     float_dtype = precision.param_dtype
 
     def new_batch() -> Any:
@@ -156,6 +164,8 @@ def run_steps(
             del buffer, buckets
         finally:
             loop.clear()
+            if loop.manual is not None:
+                loop.manual.detach()
             recorder.stop()
     return list(recorder.records)
 
@@ -178,6 +188,8 @@ class LightningLoop:
     batch_idx: int = 0
     # Lightning's ClosureResult: the loss and whatever training_step returned beside it, alive until the batch ends.
     result: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: Under manual optimization, what the module's training_step steps with (None: automatic optimization).
+    manual: ManualOptimization | None = None
 
     def __post_init__(self) -> None:
         self.step_fn = self.training_step or default_training_step
@@ -186,7 +198,26 @@ class LightningLoop:
         self.batch = None
         self.result = {}
 
+    def count_step(self) -> None:
+        """An optimizer step under manual optimization (Lightning counts each one in ``global_step``)."""
+        self.global_step += 1
+
+    def run_manual_batch(self, batch: Any, batch_idx: int) -> None:
+        """One batch under manual optimization: its ``training_step`` (under autocast, as Lightning runs it) steps."""
+        self.batch, self.batch_idx, self.result = batch, batch_idx, {}
+        self.recorder.begin_batch(batch, step=self.global_step, batch_idx=batch_idx)
+        with _autocast(self.device.type, self.precision.autocast_dtype), _default_dtype(self.precision.param_dtype):
+            output = self.model.training_step(batch, batch_idx)
+        if output is not None:
+            self.result["extra"] = output  # Lightning's ManualResult keeps it until the batch ends
+        del output
+        self.recorder.end_batch(next_step=self.global_step)
+        self.clear()
+
     def run_batch(self, batch: Any, batch_idx: int) -> None:
+        if self.manual is not None:
+            self.run_manual_batch(batch, batch_idx)
+            return
         self.batch, self.batch_idx, self.result = batch, batch_idx, {}
         should_step = (batch_idx + 1) % self.accumulate == 0
         self.recorder.begin_batch(batch, step=self.global_step, batch_idx=batch_idx)

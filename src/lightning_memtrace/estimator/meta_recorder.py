@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -15,7 +17,7 @@ from lightning_memtrace.estimator.modelled_cuda import ModelledCudaAllocator
 
 def meta_recorder(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizers: Sequence[torch.optim.Optimizer],
     device: torch.device,
     kernel_scratch: KernelScratchRule | None = None,
     allocator: ModelledCudaAllocator | None = None,
@@ -37,7 +39,7 @@ def meta_recorder(
     parts = RecorderParts(
         tracker=tracker,
         counters=allocator,
-        categories=CategoryCounter(device, model, [optimizer]),
+        categories=CategoryCounter(device, model, list(optimizers)),
     )
     config = RecorderConfig(track_allocations=True, history=False, post_mortem=False)
-    return MemoryRecorder(model, [optimizer], config, device=device, parts=parts)
+    return MemoryRecorder(model, list(optimizers), config, device=device, parts=parts)

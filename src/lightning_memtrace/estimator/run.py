@@ -14,7 +14,7 @@ import dataclasses
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -48,6 +48,7 @@ from lightning_memtrace.capture.ddp_buckets import bucket_bytes
 from lightning_memtrace.estimator.grouped_mm import grouped_mm_in_every_dtype
 from lightning_memtrace.estimator.layer_drop import no_layer_dropped
 from lightning_memtrace.estimator.loop import run_steps
+from lightning_memtrace.estimator.manual import configured
 from lightning_memtrace.estimator.result import Estimate
 from lightning_memtrace.estimator.tensor_values import FiniteCheckNeeded, values_answered
 from lightning_memtrace.estimator.sharded import (
@@ -187,9 +188,13 @@ def _estimate(
     target, fake_device = _devices(module, device)
     emulate_cuda = target.type == "cuda" and fake_device.type != "cuda"
     lightning = _is_lightning_module(module)
-    if lightning and not getattr(module, "automatic_optimization", True):
+    manual = lightning and not getattr(module, "automatic_optimization", True)
+    if manual and accumulate > 1:
         # Before the fake copy and configure_optimizers: for a large model those take a while.
-        raise ValueError("manual optimization is not supported by the estimate: use automatic optimization")
+        raise ValueError(
+            "accumulate_grad_batches > 1 with manual optimization: Lightning refuses it too (accumulate in "
+            "training_step, stepping every N batches)"
+        )
 
     sharded = sharded_already(module)
     if sharded is not None:
@@ -218,7 +223,12 @@ def _estimate(
         if gradient_checkpointing:
             _enable_gradient_checkpointing(model)
         blocks = shard_like_the_run(model, mesh) if mesh is not None else 0
-        optimizer = _build_optimizer(model, module, mode, target, optimizer_factory, lightning)
+        if manual:
+            optimizers, scheduler_configs = _build_manual_optimizers(model, module, mode, target, optimizer_factory)
+            optimizer = optimizers[0]
+        else:
+            optimizer = _build_optimizer(model, module, mode, target, optimizer_factory, lightning)
+            optimizers, scheduler_configs = [optimizer], []
         prefetch = prefetch and not emulate_cuda and fake_device.type == "cpu"
         scratch = KernelScratch() if target.type == "cpu" else None
         workspaces = CublasWorkspaces(workspace_bytes(target)) if target.type == "cuda" else None
@@ -249,6 +259,7 @@ def _estimate(
                     scratch if scratch is not None else workspaces,
                     host_offload=target.type == "cuda",
                     allocator=allocator,
+                    manual=(optimizers, scheduler_configs) if manual else None,
                 )
             except FiniteCheckNeeded:
                 raise
@@ -259,17 +270,19 @@ def _estimate(
                     raise
                 raise ValueError(_real_tensor_used(error)) from None
     if emulate_cuda:
-        records = _without_host_steps(records, optimizer, allocator)
+        records = _without_host_steps(records, optimizers, allocator)
     batch_size, seq_len = batch_dims(batch)
     return Estimate(
         records=tuple(records),
         closed_form=closed_form(
-            model, optimizer, steps_on_device=target.type == "cpu" or not _steps_on_host(optimizer)
+            model,
+            optimizers if manual else optimizer,
+            steps_on_device=target.type == "cpu" or not all(_steps_on_host(o) for o in optimizers),
         ),
         device=target.type,
         precision=precision.value,
-        optimizer=type(optimizer).__name__,
-        optimizer_detail=_optimizer_detail(optimizer),
+        optimizer=" + ".join(type(o).__name__ for o in optimizers),
+        optimizer_detail="; ".join(detail for detail in map(_optimizer_detail, optimizers) if detail),
         world_size=world_size,
         sharding=sharding_label(world_size, blocks),
         batch_size=batch_size,
@@ -525,6 +538,30 @@ def _build_optimizer(
     return optimizer
 
 
+def _build_manual_optimizers(
+    model: nn.Module,
+    original: nn.Module,
+    mode: Any,
+    target: torch.device,
+    optimizer_factory: Callable[[nn.Module], Any] | None,
+) -> tuple[list[torch.optim.Optimizer], list[Any]]:
+    """Under manual optimization: every optimizer on the fake parameters and the schedulers' configs, from the
+    factory or the LightningModule's ``configure_optimizers``. A scheduler of an optimizer that had to be made anew
+    over the copy's parameters (see :func:`_on_the_copy`) is left out: it steps the run's own."""
+    with mode:
+        returned = optimizer_factory(model) if optimizer_factory is not None else model.configure_optimizers()
+    optimizers, scheduler_configs = configured(returned)
+    if not optimizers:
+        raise ValueError("configure_optimizers returned no optimizer")
+    on_copy = [_on_the_copy(optimizer, original, model) for optimizer in optimizers]
+    replaced = {id(old) for old, new in zip(optimizers, on_copy) if old is not new}
+    scheduler_configs = [c for c in scheduler_configs if id(getattr(c.scheduler, "optimizer", None)) not in replaced]
+    if target.type == "cuda":
+        for optimizer in on_copy:
+            _use_cuda_defaults(optimizer)
+    return on_copy, scheduler_configs
+
+
 def _optimizer_detail(optimizer: torch.optim.Optimizer) -> str:
     """What the class name leaves out and memory depends on: SGD's momentum (a buffer per parameter, or none)."""
     if type(optimizer).__name__ != "SGD":
@@ -556,14 +593,16 @@ def _step_tensors(optimizer: torch.optim.Optimizer) -> dict[int, torch.UntypedSt
 
 
 def _without_host_steps(
-    records: list[PhaseRecord], optimizer: torch.optim.Optimizer, allocator: ModelledCudaAllocator | None = None
+    records: list[PhaseRecord],
+    optimizers: Sequence[torch.optim.Optimizer],
+    allocator: ModelledCudaAllocator | None = None,
 ) -> list[PhaseRecord]:
     """On CUDA, Adam's ``step`` scalars are host tensors: take them out of the stand-in CPU measurement (where the
     caching allocator was modelled, their blocks out of allocated and peak; the small segments they shared with
     device tensors stay reserved)."""
-    if not _steps_on_host(optimizer):
+    storages = [s for o in optimizers if _steps_on_host(o) for s in _step_tensors(o).values()]
+    if not storages:
         return records
-    storages = _step_tensors(optimizer).values()
     host = sum(s.nbytes() for s in storages)
     if host == 0:
         return records
