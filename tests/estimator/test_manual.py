@@ -91,11 +91,12 @@ def test_two_optimizers_match_a_real_run_row_for_row(tmp_path):
     assert (est.optimizer, est.optimizer_detail) == ("Adam + SGD", "momentum 0.9")
 
 
-def test_toggling_clipping_and_schedulers_reach_the_copy_only(tmp_path):
-    phases = real_run(tmp_path, ToggledGAN(), max_steps=6)
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_toggling_clipping_and_schedulers_reach_the_copy_only(tmp_path, precision):
+    phases = real_run(tmp_path, ToggledGAN(), max_steps=6, precision=precision)
     module = ToggledGAN()
     state = {name: p.requires_grad for name, p in module.named_parameters()}
-    est = estimate_for_module(module, next(iter(module.train_dataloader())), steps=3)
+    est = estimate_for_module(module, next(iter(module.train_dataloader())), steps=3, precision=precision)
     _row_for_row(est, phases)
     # the module's own parameters and its own (never built) optimizers are left alone
     assert {name: p.requires_grad for name, p in module.named_parameters()} == state
