@@ -18,7 +18,8 @@ from lightning_memtrace.capture.dispatch_backend import KernelScratchRule
 from lightning_memtrace.capture.recorder import MemoryRecorder
 from lightning_memtrace.estimator.host_offload import host_copies_uncounted
 from lightning_memtrace.capture.ddp_buckets import bucket_tensors
-from lightning_memtrace.estimator.fake import backward_in_function_modes, fake_batch
+from lightning_memtrace.estimator.backward import GradScale, recorded_backward
+from lightning_memtrace.estimator.fake import fake_batch
 from lightning_memtrace.estimator.inputs import Precision
 from lightning_memtrace.estimator.manual import ManualOptimization
 from lightning_memtrace.estimator.meta_recorder import meta_recorder
@@ -133,7 +134,7 @@ def run_steps(
     recorder = meta_recorder(model, manual[0] if manual else [optimizer], device, kernel_scratch, allocator)
     loop = LightningLoop(model, optimizer, recorder, device, precision, accumulate, lightning, training_step)
     if manual is not None:
-        loop.manual = ManualOptimization(manual[0], manual[1], recorder, precision, device, loop.count_step)
+        loop.manual = ManualOptimization(manual[0], manual[1], recorder, loop.grad_scale, loop.count_step)
         loop.manual.attach(model)
     float_dtype = precision.param_dtype
 
@@ -183,7 +184,6 @@ class LightningLoop:
     lightning: bool
     training_step: Callable[[nn.Module, Any], Any] | None
     global_step: int = 0
-    scale: Tensor | None = None  # GradScaler's scale, alive from the first backward on (16-mixed)
     batch: Any = None
     batch_idx: int = 0
     # Lightning's ClosureResult: the loss and whatever training_step returned beside it, alive until the batch ends.
@@ -193,6 +193,7 @@ class LightningLoop:
 
     def __post_init__(self) -> None:
         self.step_fn = self.training_step or default_training_step
+        self.grad_scale = GradScale(self.precision is Precision.FP16_MIXED, self.device)
 
     def clear(self) -> None:
         self.batch = None
@@ -225,7 +226,7 @@ class LightningLoop:
             if self.precision is Precision.FP16_MIXED:
                 # Lightning's AMP plugin runs the closure outside optimizer.step, then unscales and steps.
                 self.closure()
-                self._unscale()
+                self.grad_scale.unscale(self.optimizer)
                 self.optimizer.step()
             else:
                 self.optimizer.step(self.closure)
@@ -263,20 +264,6 @@ class LightningLoop:
         if self.batch_idx % self.accumulate == 0:
             recorder.mark_forward_done()  # on_before_zero_grad
             self.optimizer.zero_grad(set_to_none=True)
-        recorder.mark_forward_done()  # on_before_backward
-        to_backward = closure_loss
-        if self.precision is Precision.FP16_MIXED:
-            if self.scale is None:
-                self.scale = torch.full((), 65536.0, dtype=torch.float32, device=self.device)
-            to_backward = closure_loss * self.scale
-        recorder.watch_backward(to_backward)
-        backward_in_function_modes(to_backward)
-        del to_backward, closure_loss
-        recorder.mark_backward_done()  # on_after_backward
+        recorded_backward(recorder, closure_loss, self.grad_scale)
+        del closure_loss
         return result["loss"]
-
-    def _unscale(self) -> None:
-        grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
-        if grads and self.scale is not None:
-            inv_scale = self.scale.double().reciprocal().float()
-            torch._foreach_mul_(grads, inv_scale)

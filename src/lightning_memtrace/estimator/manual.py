@@ -20,8 +20,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_memtrace.capture.recorder import MemoryRecorder
-from lightning_memtrace.estimator.fake import TrainerView, backward_in_function_modes
-from lightning_memtrace.estimator.inputs import Precision
+from lightning_memtrace.estimator.backward import GradScale, recorded_backward
+from lightning_memtrace.estimator.fake import TrainerView
 
 
 def configured(configured: Any) -> tuple[list[torch.optim.Optimizer], list[Any]]:
@@ -41,18 +41,15 @@ class ManualOptimization:
         optimizers: The fake optimizers, in ``configure_optimizers``' order.
         scheduler_configs: Their schedulers' configs (``self.lr_schedulers()``).
         recorder: The estimate's recorder.
-        precision: Lightning's precision setting (``16-mixed``: the loss scaled, gradients unscaled before a step).
-        device: The device the fake tensors stand for.
+        grad_scale: ``16-mixed``'s gradient scaling (the loss scaled, gradients unscaled before a step).
         on_step: Called after each optimizer step (Lightning counts every one in ``global_step``).
     """
 
     optimizers: list[torch.optim.Optimizer]
     scheduler_configs: list[Any]
     recorder: MemoryRecorder
-    precision: Precision
-    device: torch.device
+    grad_scale: GradScale
     on_step: Callable[[], None]
-    scale: Tensor | None = None
 
     def __post_init__(self) -> None:
         from lightning.pytorch.core.optimizer import LightningOptimizer
@@ -94,31 +91,16 @@ class ManualOptimization:
 
     def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         """``manual_backward``: the rows of ``on_before_backward`` and ``on_after_backward`` around the backward."""
-        recorder = self.recorder
-        recorder.mark_forward_done()  # on_before_backward
-        to_backward = loss
-        if self.precision is Precision.FP16_MIXED:
-            if self.scale is None:
-                self.scale = torch.full((), 65536.0, dtype=torch.float32, device=self.device)
-            to_backward = loss * self.scale
-        recorder.watch_backward(to_backward)
-        if args or kwargs:
-            to_backward.backward(*args, **kwargs)  # retain_graph, inputs...: the public path takes them
-        else:
-            backward_in_function_modes(to_backward)
-        del to_backward
-        recorder.mark_backward_done()  # on_after_backward
+        recorded_backward(self.recorder, loss, self.grad_scale, *args, **kwargs)
         return loss
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
         """Lightning's precision plugins' step: the closure, then (``16-mixed``) the gradients unscaled, the step."""
         optimizer = getattr(optimizer, "optimizer", optimizer)
-        if self.precision is not Precision.FP16_MIXED:
+        if not self.grad_scale.enabled:
             return optimizer.step(closure=closure, **kwargs)
         closure()
-        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        if grads and self.scale is not None:
-            torch._foreach_mul_(grads, self.scale.double().reciprocal().float())
+        self.grad_scale.unscale(optimizer)
         return optimizer.step(**kwargs)
 
 
