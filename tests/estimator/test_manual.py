@@ -136,3 +136,20 @@ def test_accumulation_under_manual_optimization_is_refused_before_any_work(monke
     monkeypatch.setattr("lightning_memtrace.estimator.run.fake_copy", lambda *a, **k: pytest.fail("copied"))
     with pytest.raises(ValueError, match="^accumulate_grad_batches > 1 with manual optimization"):
         estimate_for_module(module, (torch.randn(8, 16),), accumulate_grad_batches=2)
+
+
+class RetainedGraph(MLP):
+    """Overrides Lightning's ``backward`` hook to keep the graph: its saved tensors outlive the backward."""
+
+    def backward(self, loss, *args, **kwargs):
+        loss.backward(retain_graph=True)
+
+
+@pytest.mark.parametrize("manual", [False, True])
+def test_a_modules_own_backward_hook_runs_as_lightning_runs_it(tmp_path, manual):
+    phases = real_run(tmp_path, RetainedGraph(manual=manual), max_steps=3)
+    module = RetainedGraph(manual=manual)
+    est = estimate_for_module(module, next(iter(module.train_dataloader())), steps=3)
+    _row_for_row(est, phases)
+    after_backward = est.to_dataframe().query("phase == 'after_backward'")
+    assert (after_backward.activations_bytes > 16_000).all()  # the graph's saved tensors, alive past the backward

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -41,13 +42,33 @@ class GradScale:
             torch._foreach_mul_(grads, self.scale.double().reciprocal().float())
 
 
-def recorded_backward(recorder: MemoryRecorder, loss: Tensor, grad_scale: GradScale, *args: Any, **kwargs: Any) -> None:
+def module_backward(model: Any) -> Callable[..., Any] | None:
+    """A LightningModule's own ``backward`` hook where its class overrides Lightning's (``loss.backward()``), which
+    Lightning's precision plugins call for every backward (``retain_graph=True`` there keeps the graph alive)."""
+    from lightning.pytorch import LightningModule
+
+    if isinstance(model, LightningModule) and type(model).backward is not LightningModule.backward:
+        return model.backward
+    return None
+
+
+def recorded_backward(
+    recorder: MemoryRecorder,
+    loss: Tensor,
+    grad_scale: GradScale,
+    *args: Any,
+    backward: Callable[..., Any] | None = None,
+    **kwargs: Any,
+) -> None:
     """``loss``'s backward (scaled where the run scales), with the rows of ``on_before_backward`` and
-    ``on_after_backward`` around it; ``args`` and ``kwargs`` (``retain_graph``...) go to ``Tensor.backward``."""
+    ``on_after_backward`` around it; through ``backward`` where given (the module's own hook, see
+    :func:`module_backward`); ``args`` and ``kwargs`` (``retain_graph``...) go to it or to ``Tensor.backward``."""
     recorder.mark_forward_done()  # on_before_backward
     to_backward = grad_scale.scaled(loss)
     recorder.watch_backward(to_backward)
-    if args or kwargs:
+    if backward is not None:
+        backward(to_backward, *args, **kwargs)
+    elif args or kwargs:
         to_backward.backward(*args, **kwargs)  # the public path takes them
     else:
         backward_in_function_modes(to_backward)

@@ -18,7 +18,7 @@ from lightning_memtrace.capture.dispatch_backend import KernelScratchRule
 from lightning_memtrace.capture.recorder import MemoryRecorder
 from lightning_memtrace.estimator.host_offload import host_copies_uncounted
 from lightning_memtrace.capture.ddp_buckets import bucket_tensors
-from lightning_memtrace.estimator.backward import GradScale, recorded_backward
+from lightning_memtrace.estimator.backward import GradScale, module_backward, recorded_backward
 from lightning_memtrace.estimator.fake import fake_batch
 from lightning_memtrace.estimator.inputs import Precision
 from lightning_memtrace.estimator.manual import ManualOptimization
@@ -134,7 +134,9 @@ def run_steps(
     recorder = meta_recorder(model, manual[0] if manual else [optimizer], device, kernel_scratch, allocator)
     loop = LightningLoop(model, optimizer, recorder, device, precision, accumulate, lightning, training_step)
     if manual is not None:
-        loop.manual = ManualOptimization(manual[0], manual[1], recorder, loop.grad_scale, loop.count_step)
+        loop.manual = ManualOptimization(
+            manual[0], manual[1], recorder, loop.grad_scale, loop.count_step, loop.module_backward
+        )
         loop.manual.attach(model)
     float_dtype = precision.param_dtype
 
@@ -194,6 +196,7 @@ class LightningLoop:
     def __post_init__(self) -> None:
         self.step_fn = self.training_step or default_training_step
         self.grad_scale = GradScale(self.precision is Precision.FP16_MIXED, self.device)
+        self.module_backward = module_backward(self.model) if self.lightning else None
 
     def clear(self) -> None:
         self.batch = None
@@ -264,6 +267,6 @@ class LightningLoop:
         if self.batch_idx % self.accumulate == 0:
             recorder.mark_forward_done()  # on_before_zero_grad
             self.optimizer.zero_grad(set_to_none=True)
-        recorded_backward(recorder, closure_loss, self.grad_scale)
+        recorded_backward(recorder, closure_loss, self.grad_scale, backward=self.module_backward)
         del closure_loss
         return result["loss"]

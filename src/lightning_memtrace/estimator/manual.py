@@ -43,6 +43,8 @@ class ManualOptimization:
         recorder: The estimate's recorder.
         grad_scale: ``16-mixed``'s gradient scaling (the loss scaled, gradients unscaled before a step).
         on_step: Called after each optimizer step (Lightning counts every one in ``global_step``).
+        module_backward: The module's own ``backward`` hook where it overrides Lightning's (see
+            :func:`~lightning_memtrace.estimator.backward.module_backward`).
     """
 
     optimizers: list[torch.optim.Optimizer]
@@ -50,6 +52,7 @@ class ManualOptimization:
     recorder: MemoryRecorder
     grad_scale: GradScale
     on_step: Callable[[], None]
+    module_backward: Callable[..., Any] | None = None
 
     def __post_init__(self) -> None:
         from lightning.pytorch.core.optimizer import LightningOptimizer
@@ -91,7 +94,7 @@ class ManualOptimization:
 
     def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         """``manual_backward``: the rows of ``on_before_backward`` and ``on_after_backward`` around the backward."""
-        recorded_backward(self.recorder, loss, self.grad_scale, *args, **kwargs)
+        recorded_backward(self.recorder, loss, self.grad_scale, *args, backward=self.module_backward, **kwargs)
         return loss
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
