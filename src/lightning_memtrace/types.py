@@ -233,3 +233,50 @@ ROW_CATEGORIES: tuple[str, ...] = tuple(
 )
 #: Counters of a row (CSV column without ``_bytes``), as used in logged metric keys.
 COUNTERS: tuple[str, ...] = tuple(c[: -len("_bytes")] for c in BYTE_COLUMNS)
+
+
+class Task(TextEnum):
+    """A training task of a Hugging Face model (``memtrace estimate --task``; its batch:
+    :func:`~lightning_memtrace.estimator.tasks.task_batch`)."""
+
+    CAUSAL_LM = "causal-lm"
+    MASKED_LM = "masked-lm"
+    SEQ2SEQ_LM = "seq2seq-lm"
+    SEQUENCE_CLASSIFICATION = "sequence-classification"
+    TOKEN_CLASSIFICATION = "token-classification"
+    QUESTION_ANSWERING = "question-answering"
+    IMAGE_CLASSIFICATION = "image-classification"
+    SPEECH_SEQ2SEQ = "speech-seq2seq"
+
+    @property
+    def auto_class(self) -> str:
+        """The ``transformers`` auto class that builds the model (``AutoModelForCausalLM``...)."""
+        return _AUTO_CLASSES[self]
+
+    @property
+    def takes_tokens(self) -> bool:
+        """Whether the batch is token ids (of ``seq_len`` tokens); else images or audio features, their shape from
+        the model's config."""
+        return self not in (Task.IMAGE_CLASSIFICATION, Task.SPEECH_SEQ2SEQ)
+
+    @property
+    def takes_target_len(self) -> bool:
+        """Whether the labels are tokens of a length of their own (a seq2seq model's)."""
+        return self in (Task.SEQ2SEQ_LM, Task.SPEECH_SEQ2SEQ)
+
+    @property
+    def takes_image_size(self) -> bool:
+        """Whether the batch is images (of a side the config or ``--image-size`` gives)."""
+        return self is Task.IMAGE_CLASSIFICATION
+
+
+_AUTO_CLASSES = {
+    Task.CAUSAL_LM: "AutoModelForCausalLM",
+    Task.MASKED_LM: "AutoModelForMaskedLM",
+    Task.SEQ2SEQ_LM: "AutoModelForSeq2SeqLM",
+    Task.SEQUENCE_CLASSIFICATION: "AutoModelForSequenceClassification",
+    Task.TOKEN_CLASSIFICATION: "AutoModelForTokenClassification",
+    Task.QUESTION_ANSWERING: "AutoModelForQuestionAnswering",
+    Task.IMAGE_CLASSIFICATION: "AutoModelForImageClassification",
+    Task.SPEECH_SEQ2SEQ: "AutoModelForSpeechSeq2Seq",
+}

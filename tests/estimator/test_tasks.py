@@ -13,7 +13,7 @@ import torch
 from estimate_checks import check_against_real, real_run
 from torch.utils.data import DataLoader
 
-from lightning_memtrace.cli.estimate import TASKS, main
+from lightning_memtrace.cli.estimate import build_parser, main
 from lightning_memtrace.estimator import estimate_from_config
 from lightning_memtrace.estimator.tasks import Task, image_shape, prepare_config, task_batch
 
@@ -112,7 +112,8 @@ def test_a_tasks_estimate_matches_a_real_run(tmp_path, task, config, options):
 
 
 def test_each_tasks_batch_and_model_class():
-    assert TASKS == tuple(task.value for task in Task)  # the command's choices, named without importing torch
+    (task_option,) = [a for a in build_parser()._actions if a.dest == "task"]
+    assert list(task_option.choices) == [task.value for task in Task] and task_option.default == "causal-lm"
     vit = type("Config", (), {"image_size": 32, "num_channels": 3})()
     assert image_shape(vit) == (3, 32, 32) and image_shape(vit, 48) == (3, 48, 48)
     assert image_shape(type("Config", (), {})()) == (3, 224, 224)  # ResNet's configs: no image_size

@@ -27,6 +27,7 @@ from typing import Any
 
 from lightning_memtrace.cli.args import bytes_arg, positive_int
 from lightning_memtrace.cli.errors import PROG, Parser, describe, error_line, run_guarded
+from lightning_memtrace.types import Task
 from lightning_memtrace.units import format_bytes
 
 NOT_FIT_EXIT = 1
@@ -55,18 +56,6 @@ REMEDIES = (
     "lora",
 )
 PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "bf16-true", "16-true")
-#: ``--task`` choices: :class:`~lightning_memtrace.estimator.tasks.Task`'s values (named here: the parser imports no
-#: torch).
-TASKS = (
-    "causal-lm",
-    "masked-lm",
-    "seq2seq-lm",
-    "sequence-classification",
-    "token-classification",
-    "question-answering",
-    "image-classification",
-    "speech-seq2seq",
-)
 #: ``--attn-implementation`` choices (transformers' names); without the option, transformers' default for the model.
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
 #: Options passed through to :func:`~lightning_memtrace.estimator.estimate_from_config` as they are.
@@ -100,8 +89,8 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--task",
-        choices=TASKS,
-        default=TASKS[0],
+        choices=[task.value for task in Task],
+        default=Task.CAUSAL_LM.value,
         help="what the model is trained for: the transformers auto class that builds it (AutoModelFor...) and the "
         "labels of its batch (default causal-lm)",
     )
@@ -225,15 +214,15 @@ def run_estimate(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> None:
-    untokenized = args.task in ("image-classification", "speech-seq2seq")
-    if args.seq_len is None and not untokenized:
-        raise ValueError(f"--seq-len is required for --task {args.task}")
-    if args.seq_len is not None and untokenized:
-        raise ValueError(f"--seq-len does not go with --task {args.task}: its inputs' shape comes from the config")
-    if args.target_len is not None and args.task not in ("seq2seq-lm", "speech-seq2seq"):
-        raise ValueError("--target-len goes with --task seq2seq-lm or speech-seq2seq")
-    if args.image_size is not None and args.task != "image-classification":
-        raise ValueError("--image-size goes with --task image-classification")
+    task = Task(args.task)
+    if args.seq_len is None and task.takes_tokens:
+        raise ValueError(f"--seq-len is required for --task {task}")
+    if args.seq_len is not None and not task.takes_tokens:
+        raise ValueError(f"--seq-len does not go with --task {task}: its inputs' shape comes from the config")
+    if args.target_len is not None and not task.takes_target_len:
+        raise ValueError(f"--target-len goes with --task {' or '.join(t for t in Task if t.takes_target_len)}")
+    if args.image_size is not None and not task.takes_image_size:
+        raise ValueError(f"--image-size goes with --task {' or '.join(t for t in Task if t.takes_image_size)}")
     if args.what_if and args.batch_size is None:
         raise ValueError("--what-if needs --batch-size")
     if args.batch_size is None and not args.find_max_batch:

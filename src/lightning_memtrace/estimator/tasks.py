@@ -14,45 +14,12 @@ from typing import Any
 import torch
 
 from lightning_memtrace.estimator.inputs import InputSpec, lm_batch
-from lightning_memtrace.types import TextEnum
+from lightning_memtrace.types import Task
 
 #: The side of an image where the config does not say (ResNet's configs have no ``image_size``): ImageNet's crop.
 DEFAULT_IMAGE_SIZE = 224
 
-
-class Task(TextEnum):
-    """A training task of a Hugging Face model (``memtrace estimate --task``)."""
-
-    CAUSAL_LM = "causal-lm"
-    MASKED_LM = "masked-lm"
-    SEQ2SEQ_LM = "seq2seq-lm"
-    SEQUENCE_CLASSIFICATION = "sequence-classification"
-    TOKEN_CLASSIFICATION = "token-classification"
-    QUESTION_ANSWERING = "question-answering"
-    IMAGE_CLASSIFICATION = "image-classification"
-    SPEECH_SEQ2SEQ = "speech-seq2seq"
-
-    @property
-    def auto_class(self) -> str:
-        """The ``transformers`` auto class that builds the model (``AutoModelForCausalLM``...)."""
-        return _AUTO_CLASSES[self]
-
-    @property
-    def takes_tokens(self) -> bool:
-        """Whether the batch is token ids (of ``seq_len`` tokens); else images or audio features."""
-        return self not in (Task.IMAGE_CLASSIFICATION, Task.SPEECH_SEQ2SEQ)
-
-
-_AUTO_CLASSES = {
-    Task.CAUSAL_LM: "AutoModelForCausalLM",
-    Task.MASKED_LM: "AutoModelForMaskedLM",
-    Task.SEQ2SEQ_LM: "AutoModelForSeq2SeqLM",
-    Task.SEQUENCE_CLASSIFICATION: "AutoModelForSequenceClassification",
-    Task.TOKEN_CLASSIFICATION: "AutoModelForTokenClassification",
-    Task.QUESTION_ANSWERING: "AutoModelForQuestionAnswering",
-    Task.IMAGE_CLASSIFICATION: "AutoModelForImageClassification",
-    Task.SPEECH_SEQ2SEQ: "AutoModelForSpeechSeq2Seq",
-}
+__all__ = ["DEFAULT_IMAGE_SIZE", "Task", "audio_shape", "image_shape", "prepare_config", "task_batch", "task_detail"]
 
 
 def prepare_config(task: Task, hf_config: Any) -> None:
