@@ -36,10 +36,16 @@ class GradScale:
             self.scale = torch.full((), 65536.0, dtype=torch.float32, device=self.device)
         return loss * self.scale
 
-    def unscale(self, optimizer: Any) -> None:
+    def step(self, optimizer: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        """Lightning's precision plugins' optimizer step: ``optimizer.step(closure)``; where the run scales (its AMP
+        plugin), the closure first, then the gradients unscaled, then the step."""
+        if not self.enabled:
+            return optimizer.step(closure=closure, **kwargs)
+        closure()
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         if grads and self.scale is not None:
             torch._foreach_mul_(grads, self.scale.double().reciprocal().float())
+        return optimizer.step(**kwargs)
 
 
 def module_backward(model: Any) -> Callable[..., Any] | None:

@@ -226,13 +226,7 @@ class LightningLoop:
         should_step = (batch_idx + 1) % self.accumulate == 0
         self.recorder.begin_batch(batch, step=self.global_step, batch_idx=batch_idx)
         if should_step:
-            if self.precision is Precision.FP16_MIXED:
-                # Lightning's AMP plugin runs the closure outside optimizer.step, then unscales and steps.
-                self.closure()
-                self.grad_scale.unscale(self.optimizer)
-                self.optimizer.step()
-            else:
-                self.optimizer.step(self.closure)
+            self.grad_scale.step(self.optimizer, self.closure)
             self.global_step += 1
         else:
             self.closure()

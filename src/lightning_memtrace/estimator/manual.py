@@ -98,13 +98,8 @@ class ManualOptimization:
         return loss
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
-        """Lightning's precision plugins' step: the closure, then (``16-mixed``) the gradients unscaled, the step."""
-        optimizer = getattr(optimizer, "optimizer", optimizer)
-        if not self.grad_scale.enabled:
-            return optimizer.step(closure=closure, **kwargs)
-        closure()
-        self.grad_scale.unscale(optimizer)
-        return optimizer.step(**kwargs)
+        """Lightning's precision plugins' step of the optimizer a ``LightningOptimizer`` wraps."""
+        return self.grad_scale.step(getattr(optimizer, "optimizer", optimizer), closure, **kwargs)
 
 
 class _Strategy:
