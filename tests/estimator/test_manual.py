@@ -153,3 +153,17 @@ def test_a_modules_own_backward_hook_runs_as_lightning_runs_it(tmp_path, manual)
     _row_for_row(est, phases)
     after_backward = est.to_dataframe().query("phase == 'after_backward'")
     assert (after_backward.activations_bytes > 16_000).all()  # the graph's saved tensors, alive past the backward
+
+
+def test_the_steps_served_on_are_numbered_as_lightning_numbers_them():
+    """Two optimizers stepped by hand: Lightning counts two steps a batch; the allocator's steps served on past the
+    estimate are numbered so (the estimated batches start at steps 0, 2, 4; the first served on is step 6)."""
+    module = TwoOptimizers()
+    est = estimate_for_module(module, next(iter(module.train_dataloader())), device="cuda", steps=3)
+    log = est.allocator_log
+    assert list(log.step_numbers) == [0, 2, 4, 6]
+    assert [log.step_number(k) for k in range(6)] == [0, 2, 4, 6, 8, 10]
+    assert [log.served_step(n) for n in (0, 1, 2, 5, 6, 7, 10)] == [0, 0, 1, 2, 3, 3, 5]
+    last = log.step_number(est.long_run.steps - 1)
+    assert f"served on over steps 6-{last} (the steady step's requests again" in est.table()
+    assert est.as_dict()["long_run_reserved_step"] == log.step_number(est.long_run.reserved_from_step)

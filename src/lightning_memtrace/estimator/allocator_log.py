@@ -16,6 +16,7 @@ that grows, a first step that makes the optimizer's state) is not served again.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 from collections.abc import Hashable, Sequence
@@ -40,12 +41,13 @@ _KEPT_BLOCK = -1
 
 @dataclasses.dataclass(frozen=True)
 class Served:
-    """How the caching allocator served a run's requests.
+    """How the caching allocator served a run's requests. Its steps are counted from 0, one per optimizer step's
+    batches (the run's own numbers: :meth:`AllocatorLog.step_number`).
 
     Attributes:
         served: Every request was served (within the capacity, the cache freed where it had to be).
         max_reserved_bytes: The most it reserved (``torch.cuda.max_memory_reserved()``), up to where it stopped.
-        reserved_from_step: The optimizer step (from 0) in which it first reserved that much.
+        reserved_from_step: The step in which it first reserved that much.
         steps: Optimizer steps served, the estimated ones and those served again.
         repeats_from: The step whose starting state the last served step's end repeats (every later step repeats
             one served); None where the steps were not served again, or another limit came first.
@@ -95,11 +97,15 @@ class AllocatorLog:
             the free of request ``n``.
         step_starts: Where in ``ops`` each optimizer step's first batch starts, then where the last step ends (what
             follows is the run's end). Empty: the steps are not known, nothing is served past the log.
+        step_numbers: Beside each of ``step_starts``, the run's number of that step (``global_step``; at the end, the
+            step that would come next): :class:`Served` counts steps from 0, one per step window, where Lightning
+            counts every optimizer step (two a batch for two optimizers stepped by hand). Empty: the same.
     """
 
     settings: AllocatorSettings
     ops: Sequence[int]
     step_starts: Sequence[int] = ()
+    step_numbers: Sequence[int] = ()
     _unhindered: dict[AllocatorSettings, Served] = dataclasses.field(
         default_factory=dict, init=False, repr=False, compare=False
     )
@@ -175,6 +181,29 @@ class AllocatorLog:
         except SimulatedOutOfMemory:
             peaks.end_step(step)
             return peaks.served(False, step + 1, None)
+
+    def step_number(self, step: int) -> int:
+        """The run's number of :class:`Served`'s step ``step`` (counted from 0): the estimated steps' own, the steps
+        served on after them numbered on with the last one's stride."""
+        numbers = self.step_numbers
+        if step < len(numbers):
+            return numbers[step]
+        if len(numbers) < 2:
+            return step
+        return numbers[-1] + (step - len(numbers) + 1) * self._stride
+
+    def served_step(self, number: int) -> int:
+        """:class:`Served`'s step (counted from 0) in which the run's step ``number`` falls: the last at most it."""
+        numbers = self.step_numbers
+        if len(numbers) < 2:
+            return number
+        if number >= numbers[-1]:
+            return len(numbers) - 1 + (number - numbers[-1]) // self._stride
+        return max(0, bisect.bisect_right(numbers, number) - 1)
+
+    @property
+    def _stride(self) -> int:
+        return max(1, self.step_numbers[-1] - self.step_numbers[-2])
 
     @property
     def steps_limit(self) -> int:

@@ -87,10 +87,10 @@ def compare_estimate(
     if estimate.allocator:
         columns.append(("reserved", "reserved_bytes"))
     compared = [_compared(est, measured, name, column, phase) for name, column in columns]
-    long_run = estimate.long_run
-    if long_run is not None and len(measured) and "step" in measured.columns:
+    long_run, log = estimate.long_run, estimate.allocator_log
+    if long_run is not None and log is not None and len(measured) and "step" in measured.columns:
         # a run longer than the estimate: its allocator may have reserved more in the later steps, served on
-        _served_on(compared[-1], long_run.reserved_through(int(measured["step"].max()) - estimate.first_step))
+        _served_on(compared[-1], long_run.reserved_through(log.served_step(int(measured["step"].max()))))
     frame = pd.DataFrame(compared)
     for column in ("estimated_bytes", "measured_bytes", "error_bytes"):
         frame[column] = frame[column].astype("int64")

@@ -152,7 +152,7 @@ def run_steps(
             buffer: list[Any] = [new_batch()] if prefetch else []
             for batch_idx in range(steps * accumulate):
                 if allocator is not None and batch_idx % accumulate == 0:
-                    allocator.mark_step()
+                    allocator.mark_step(loop.global_step)
                 if prefetch:
                     # Lightning's prefetching fetcher: the next batch is fetched before this one starts.
                     current = buffer.pop(0)
@@ -163,7 +163,7 @@ def run_steps(
                 loop.run_batch(current, batch_idx)
                 del current
             if allocator is not None:
-                allocator.mark_step()
+                allocator.mark_step(loop.global_step)
             del buffer, buckets
         finally:
             loop.clear()

@@ -44,12 +44,14 @@ class ModelledCudaAllocator:
         self._placed: dict[int, tuple[Block, int]] = {}
         #: Every request and free served, and where each step starts, to serve again (see
         #: :mod:`~lightning_memtrace.estimator.allocator_log`).
-        self.log = AllocatorLog(model.settings, array("q"), array("q"))
+        self.log = AllocatorLog(model.settings, array("q"), array("q"), array("q"))
         self._allocations = 0
 
-    def mark_step(self) -> None:
-        """Note that an optimizer step's first batch starts here (or, at the end, that the last step ended)."""
+    def mark_step(self, step: int) -> None:
+        """Note that optimizer step ``step`` (the run's ``global_step``) starts here with its first batch (or, at the
+        end, that the last step ended and ``step`` would come next)."""
         self.log.step_starts.append(len(self.log.ops))
+        self.log.step_numbers.append(step)
 
     def place_module(self, module: nn.Module) -> None:
         """Allocate ``module``'s parameters and buffers now, in ``module.to()``'s order (tied ones once; a sharded

@@ -231,9 +231,7 @@ class Estimate:
             "peak_bytes": self.peak_bytes,
             "peak_reserved_bytes": self.peak_reserved_bytes,
             "long_run_reserved_bytes": self.long_run_reserved_bytes,
-            "long_run_reserved_step": (
-                self.first_step + self.long_run.reserved_from_step if self.long_run is not None else None
-            ),
+            "long_run_reserved_step": self._long_run_step("reserved_from_step"),
             "allocator_needs_bytes": self.allocator_needs(),
             "allocator_needs_expandable_bytes": self.allocator_needs_expandable(),
             "phase_peaks": {p.value: v for p, v in self.phase_peaks().items()},
@@ -266,32 +264,33 @@ class Estimate:
             )
         return "\n".join(out)
 
+    def _long_run_step(self, field: str) -> int | None:
+        """:attr:`long_run`'s ``field`` (a step counted from 0) as the run numbers its steps."""
+        if self.long_run is None or self.allocator_log is None:
+            return None
+        return self.allocator_log.step_number(getattr(self.long_run, field))
+
     def _long_run_text(self, reserved: int) -> str:
-        long_run = self.long_run
-        if long_run is None or self.allocator_log is None:
+        long_run, log = self.long_run, self.allocator_log
+        if long_run is None or log is None:
             return ""
-        if self.allocator_log.step_repeat is None:
+        if log.step_repeat is None:
             return (
                 "; the steady step could not be served on (it keeps more than it frees of the step before), so later "
                 "steps may reserve more"
             )
-        base = self.first_step
-        first, last = self.steady_step + 1, base + long_run.steps - 1
-        if last < first:
+        estimated = len(log.step_starts) - 1
+        if long_run.steps <= estimated:
             return ""
+        first, last = log.step_number(estimated), log.step_number(long_run.steps - 1)
         served = f"; served on over steps {first}-{last} (the steady step's requests again"
         if long_run.repeats_from is not None:
-            served += f", until the allocator's state repeats step {base + long_run.repeats_from}'s"
+            served += f", until the allocator's state repeats step {log.step_number(long_run.repeats_from)}'s"
         total = self.long_run_reserved_bytes or 0
         if total <= reserved:
             return f"{served}), it reserves no more"
-        since = base + long_run.reserved_from_step
+        since = log.step_number(long_run.reserved_from_step)
         return f"{served}), it reserves {format_bytes(total)} ({total:,} B) from step {since} on"
-
-    @property
-    def first_step(self) -> int:
-        """The first estimated step's number (the allocator's log counts its steps from it)."""
-        return min((r.step for r in self.records), default=0)
 
     def _peak_line(self, step: int, first: int, rows: list[PhaseRecord]) -> str:
         record = self.peak_record
