@@ -69,12 +69,12 @@ class ManualOptimization:
         :meth:`detach`."""
         from lightning.pytorch.plugins.precision import Precision as PlainPrecision
 
-        self._attached = (model, model.__dict__.get("_trainer"))
-        view = TrainerView(self._attached[1])
-        if isinstance(self._attached[1], TrainerView):  # the copy's own view: a new one over the same Trainer
-            view = TrainerView(object.__getattribute__(self._attached[1], "_viewed"))
+        previous = model.__dict__.get("_trainer")
+        self._attached = (model, previous)
+        # the copy's own view is left as it was: a new one over the same Trainer
+        viewed = object.__getattribute__(previous, "_viewed") if isinstance(previous, TrainerView) else previous
+        view = TrainerView(viewed)
         model.__dict__["_trainer"] = view
-        viewed = object.__getattribute__(view, "_viewed")
         view.overrides.update(
             strategy=self.strategy,
             optimizers=list(self.optimizers),
