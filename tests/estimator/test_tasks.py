@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader
 from lightning_memtrace.cli.estimate import build_parser, main
 from lightning_memtrace.estimator import estimate_from_config
 from lightning_memtrace.estimator.tasks import Task, image_shape, prepare_config, task_batch
+from lightning_memtrace.types import Category
 
 _ENCODER = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128}
 BERT = dict(_ENCODER, model_type="bert", vocab_size=1000, max_position_embeddings=256)
@@ -161,3 +162,78 @@ def test_the_command_estimates_a_task(tmp_path, capsys):
     error = capsys.readouterr().err
     assert error.startswith("memtrace: error: cannot read the model config") and error.count("\n") == 1
     assert "for this kind of AutoModel: AutoModelForImageClassification" in error
+
+
+#: peft's task type for each task whose head LoRA trains in full (its ``modules_to_save``).
+PEFT_TASK_TYPES = {"sequence-classification": "SEQ_CLS", "question-answering": "QUESTION_ANS"}
+
+
+@pytest.mark.parametrize(
+    "task, config",
+    [("sequence-classification", dict(BERT, num_labels=3)), ("sequence-classification", QWEN2),
+     ("question-answering", BERT)],  # fmt: skip
+    ids=["bert-classifier", "qwen2-score", "bert-qa_outputs"],
+)
+def test_lora_trains_the_task_head_as_peft_does(tmp_path, request, task, config):
+    """The what-if's LoRA on a task model keeps its head trainable, as peft's ``get_peft_model`` with the task type
+    does (a copy of the head beside the frozen original): against a real run of a user's peft model, the
+    categories are exact, the peak within 3%."""
+    pytest.importorskip("peft")
+    import peft
+
+    case = request.node.callspec.id
+
+    from lightning_memtrace.estimator.remedies import LORA_RANK, lora_heads, lora_targets
+    from lightning_memtrace.estimator.what_if import lora_line, what_if_from_config
+
+    result = what_if_from_config(config, BATCH, SEQ, device="cpu", task=task, steps=3, remedies=["lora"],
+                                 max_batch=False)  # fmt: skip
+    (row,) = [row for row in result.rows if row.remedy == "lora"]
+
+    module = TaskModule(task, config)
+    head_name = {"bert-classifier": "classifier", "qwen2-score": "score", "bert-qa_outputs": "qa_outputs"}[case]
+    assert lora_heads(module) == [f"model.{head_name}"]
+    targets = '["k_proj", "o_proj", "q_proj", "v_proj"]' if case == "qwen2-score" else '["key", "query", "value"]'
+    assert lora_line(module) == (
+        f"model = peft.inject_adapter_in_model(LoraConfig(r=16, lora_alpha=32, target_modules={targets}, "
+        f'modules_to_save=["model.{head_name}"]), model)  # base frozen; or '
+        "lightning_memtrace.estimator.remedies.apply_lora(model)"
+    )
+    head_bytes = sum(p.nbytes for p in getattr(module.model, head_name).parameters())
+    lora = peft.LoraConfig(task_type=PEFT_TASK_TYPES[task], r=LORA_RANK, lora_alpha=2 * LORA_RANK, lora_dropout=0.0,
+                           target_modules=lora_targets(module))  # fmt: skip
+    module.model = peft.get_peft_model(module.model, lora)
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    phases = real_run(tmp_path, module, allocation_backend="auto")
+    real = phases[phases.phase.isin(["batch_start", "after_forward", "after_backward", "after_optimizer_step",
+                                     "batch_end"]) & (phases.step >= 1)]  # fmt: skip
+    assert row.categories["gradients"] == int(real.gradients_bytes.max()) == sum(p.nbytes for p in trainable)
+    assert row.categories["gradients"] > head_bytes  # the head's copy is trained, with the adapters
+    for category in ("parameters", "optimizer_state", "inputs"):
+        assert row.categories[category] == int(real[f"{category}_bytes"].max()), category
+    real_peak = int(real.peak_bytes.max())
+    assert abs(row.peak_bytes - real_peak) <= 0.03 * real_peak, (row.peak_bytes, real_peak)
+
+
+def test_what_a_module_has_already_is_not_offered_again():
+    """A module fine-tuned with peft LoRA and Hugging Face's checkpointing on: the what-if skips both remedies
+    ("already LoRA", "already on") and estimates today's run as it is (no second set of adapters, the user's own
+    trainable parameters' gradients); it applied LoRA again and listed checkpointing as saving 0 B."""
+    pytest.importorskip("peft")
+    import peft
+
+    from lightning_memtrace.estimator import estimate
+    from lightning_memtrace.estimator.what_if import what_if_result
+
+    module = TaskModule("sequence-classification", QWEN2)
+    module.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    lora = peft.LoraConfig(task_type="SEQ_CLS", r=8, target_modules=["q_proj", "v_proj"])
+    module.model = peft.get_peft_model(module.model, lora)
+    batch = next(iter(module.train_dataloader()))
+    result = what_if_result(module, batch, device="cpu", max_batch=False, remedies=["lora", "gradient_checkpointing",
+                                                                                   "half_micro_batch"])  # fmt: skip
+    assert result.skipped == {"lora": "already LoRA", "gradient_checkpointing": "already on"}
+    assert [row.remedy for row in result.rows] == ["half_micro_batch"]
+    trainable = sum(p.nbytes for p in module.parameters() if p.requires_grad)
+    assert result.estimate.category_bytes()[Category.GRADIENTS] == trainable
+    assert result.estimate.peak_bytes == estimate(module, batch, device="cpu").peak_bytes

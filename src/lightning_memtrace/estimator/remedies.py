@@ -78,6 +78,16 @@ LORA_RANK = 16
 LORA_TARGETS = frozenset(
     {"q_proj", "k_proj", "v_proj", "o_proj", "c_attn", "query_key_value", "qkv_proj", "Wqkv", "query", "key", "value"}
 )
+#: The task heads trained in full beside LoRA's adapters, by the end of the model class's name: peft's
+#: ``modules_to_save`` for its task types ``SEQ_CLS``, ``TOKEN_CLS`` and ``QUESTION_ANS`` (a head left frozen would
+#: never learn the new labels), and the ``classifier`` of Hugging Face's LoRA recipes for images and audio.
+LORA_HEADS = {
+    "ForSequenceClassification": ("classifier", "score"),
+    "ForTokenClassification": ("classifier", "score"),
+    "ForQuestionAnswering": ("qa_outputs",),
+    "ForImageClassification": ("classifier",),
+    "ForAudioClassification": ("classifier",),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,8 +230,28 @@ def lora_targets(model: nn.Module) -> list[str]:
     return sorted(found)
 
 
+def has_lora_adapters(model: nn.Module) -> bool:
+    """Whether ``model`` holds peft LoRA layers already (a run that fine-tunes with LoRA)."""
+    return any(isinstance(getattr(sub, "lora_A", None), nn.ModuleDict) for sub in model.modules())
+
+
+def lora_heads(model: nn.Module) -> list[str]:
+    """The qualified names of the task heads in ``model`` that LoRA trains in full (:data:`LORA_HEADS`): those of each
+    Hugging Face task model inside it, such as ``model.score`` for a ``Qwen2ForSequenceClassification`` held as
+    ``self.model``."""
+    heads = []
+    for name, sub in model.named_modules():
+        kind = type(sub).__name__
+        for suffix, names in LORA_HEADS.items():
+            if kind.endswith(suffix):
+                prefix = f"{name}." if name else ""
+                heads.extend(prefix + head for head in names if isinstance(getattr(sub, head, None), nn.Module))
+    return heads
+
+
 def apply_lora(model: nn.Module, rank: int = LORA_RANK) -> nn.Module:
-    """PEFT LoRA (rank ``rank``, alpha ``2·rank``) on the attention projections, in place; the base frozen.
+    """PEFT LoRA (rank ``rank``, alpha ``2·rank``) on the attention projections, in place; the base frozen but for the
+    task heads (:func:`lora_heads`), which peft trains as a copy beside the frozen original (``modules_to_save``).
 
     Raises:
         ModuleNotFoundError: peft is not installed.
@@ -234,7 +264,9 @@ def apply_lora(model: nn.Module, rank: int = LORA_RANK) -> nn.Module:
         raise ValueError(f"no attention projection ({', '.join(sorted(LORA_TARGETS))}) in {type(model).__name__}")
     for param in model.parameters():
         param.requires_grad_(False)
-    config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=targets)
+    config = LoraConfig(
+        r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=targets, modules_to_save=lora_heads(model) or None
+    )
     return inject_adapter_in_model(config, model)
 
 

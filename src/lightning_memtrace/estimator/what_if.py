@@ -63,6 +63,8 @@ class Setup:
     settings: Settings
     #: The snippet's line that turns checkpointing on where the model is Hugging Face's (None: it is not).
     checkpointing_line: str | None = None
+    #: The snippet's line that applies LoRA as the estimate does, with the model's own projections and heads.
+    lora_line: str | None = None
 
     def run(self, settings: Settings) -> Estimate:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -85,6 +87,22 @@ def _block_bytes(model: nn.Module, precision: str) -> int:
         for b in blocks
     ]
     return max(sizes, default=0)
+
+
+def lora_line(model: nn.Module) -> str | None:
+    """peft's call that applies LoRA as :func:`~lightning_memtrace.estimator.remedies.apply_lora` does: the model's
+    attention projections, and its task heads trained in full; None for a model without attention projections."""
+    targets = rm.lora_targets(model)
+    if not targets:
+        return None
+    heads = rm.lora_heads(model)
+    options = [f"r={rm.LORA_RANK}", f"lora_alpha={2 * rm.LORA_RANK}", f"target_modules={targets!r}"]
+    if heads:
+        options.append(f"modules_to_save={heads!r}")
+    return (
+        f"model = peft.inject_adapter_in_model(LoraConfig({', '.join(options)}), model)  "
+        "# base frozen; or lightning_memtrace.estimator.remedies.apply_lora(model)"
+    ).replace("'", '"')
 
 
 def checkpointing_line(model: nn.Module) -> str | None:
@@ -127,13 +145,23 @@ class ModuleSetup(Setup):
         device: torch.device | str | None = None,
         steps: int = 2,
     ) -> None:
-        from lightning_memtrace.estimator.run import _is_lightning_module, _target_device
+        from lightning_memtrace.estimator.run import _checkpointing_on, _is_lightning_module, _target_device
 
-        self.module, self.batch, self.settings = module, batch, settings
+        self.module, self.batch = module, batch
+        # What the module has already is today's setting: the remedy that would add it again is skipped ("already
+        # LoRA", "already on"), and no estimate applies it a second time.
+        self.lora_already = rm.has_lora_adapters(module)
+        self.checkpointing_already = _checkpointing_on(module)
+        self.settings = dataclasses.replace(
+            settings,
+            lora=settings.lora or self.lora_already,
+            gradient_checkpointing=settings.gradient_checkpointing or self.checkpointing_already,
+        )
         self.optimizer_factory, self.training_step, self.steps = optimizer_factory, training_step, steps
         self.device = _target_device(module, device)
         self.lightning = _is_lightning_module(module)
         self.checkpointing_line = checkpointing_line(module)
+        self.lora_line = lora_line(module)
 
     def _base_factory(self, model: nn.Module) -> Any:
         if self.optimizer_factory is not None:
@@ -147,7 +175,7 @@ class ModuleSetup(Setup):
 
         changed = settings.optimizer is not None or settings.foreach_off
         return estimate(
-            rm.module_for(self.module, settings),
+            self.module if self.lora_already else rm.module_for(self.module, settings),
             resize_batch(self.batch, settings.batch_size if settings.batch_size != self.settings.batch_size else None),
             optimizer_factory=rm.optimizer_factory_for(settings, self._base_factory)
             if changed
@@ -158,7 +186,7 @@ class ModuleSetup(Setup):
             gradient_checkpointing=False,
             device=self.device,
             steps=self.steps,
-            prepare=rm.prepare_for(settings),
+            prepare=None if self.checkpointing_already else rm.prepare_for(settings),
             world_size=settings.world_size,
             ddp_buckets=settings.ddp_buckets,
         )
@@ -179,6 +207,7 @@ class ConfigSetup(Setup):
         self.config, self.seq_len, self.settings = config, None if seq_len is None else int(seq_len), settings
         self.model = model if model is not None else build_meta_model(config, task=options.get("task", "causal-lm"))
         self.checkpointing_line = checkpointing_line(self.model)
+        self.lora_line = lora_line(self.model)
         self.options = options  # optimizer, device, lr, steps, task, target_len, image_size
 
     def _base_factory(self, model: nn.Module) -> Any:
@@ -784,7 +813,8 @@ def _module_lines(setup: Setup, picked: Sequence[Remedy]) -> list[str]:
     lines = []
     if Remedy.LORA in picked:
         lines.append(
-            f"model = peft.inject_adapter_in_model(LoraConfig(r={rm.LORA_RANK}, lora_alpha={2 * rm.LORA_RANK}, "
+            setup.lora_line
+            or f"model = peft.inject_adapter_in_model(LoraConfig(r={rm.LORA_RANK}, lora_alpha={2 * rm.LORA_RANK}, "
             "target_modules=[...attention projections]), model)  # base frozen; or remedies.apply_lora(model)"
         )
     if Remedy.GRADIENT_CHECKPOINTING in picked:
