@@ -288,3 +288,57 @@ def test_a_tasks_cuda_estimate_meets_the_gpu_run(tmp_path, task, config, batch_s
     print(json.dumps({"task": task, "estimate": estimate.peak_bytes, "max_memory_allocated": peak,
                       "error_percent": 100 * error}))
     assert abs(error) <= 0.10
+
+
+_QWEN2_SMALL = {"model_type": "qwen2", "hidden_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8,
+                "num_key_value_heads": 2, "intermediate_size": 1536, "vocab_size": 32000,
+                "max_position_embeddings": 1024, "num_labels": 3}  # fmt: skip
+
+
+def test_a_qlora_modules_cuda_estimate_meets_the_gpu_run(tmp_path):
+    """A 4-bit (nf4, double quantization) Qwen2 classifier with LoRA, loaded on the GPU as QLoRA runs load it, in
+    bf16-mixed: the estimate for CUDA made from the loaded module (fake tensors, bitsandbytes' fake kernels) against a
+    plain 3-step GPU run's ``max_memory_allocated``; its parameters (packed weights, scales) against the real ones."""
+    bnb = pytest.importorskip("bitsandbytes")
+    peft = pytest.importorskip("peft")
+    import transformers
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "estimator"))
+    from test_tasks import TaskModule
+
+    saved = TaskModule("sequence-classification", _QWEN2_SMALL, batch_size=8, seq_len=256)
+    saved.model.save_pretrained(tmp_path / "saved")
+    del saved
+    quantization = transformers.BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )  # fmt: skip
+
+    def loaded() -> TaskModule:
+        module = TaskModule("sequence-classification", _QWEN2_SMALL, batch_size=8, seq_len=256)
+        model = transformers.AutoModelForSequenceClassification.from_pretrained(
+            tmp_path / "saved", quantization_config=quantization, device_map={"": 0}
+        )
+        lora = peft.LoraConfig(task_type="SEQ_CLS", r=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+        module.model = peft.get_peft_model(model, lora)
+        module.model.train()
+        return module
+
+    base = _fresh_cuda()
+    module = loaded()
+    weights = torch.cuda.memory_allocated() - base
+    batch = next(iter(module.train_dataloader()))
+    estimate = estimate_for_module(module, batch, precision="bf16-mixed", steps=3)
+    assert any(isinstance(m, bnb.nn.Linear4bit) for m in module.modules())
+    # memory_allocated counts 512-byte blocks and the rotary table, a buffer: within 2 % of the parameters' bytes
+    assert abs(int(estimate.to_dataframe().parameters_bytes.iloc[0]) - weights) <= 0.02 * weights
+    try:
+        trainer(tmp_path, [], accelerator="gpu", devices=1, max_steps=3, precision="bf16-mixed").fit(module)
+        peak = torch.cuda.max_memory_allocated() - base
+    finally:
+        del module
+        _fresh_cuda()
+    error = (estimate.peak_bytes - peak) / peak
+    print(json.dumps({"qlora_estimate": estimate.peak_bytes, "max_memory_allocated": peak,
+                      "error_percent": 100 * error}))
+    assert abs(error) <= 0.10

@@ -18,9 +18,11 @@ from lightning_memtrace.capture.storages import (
     layout_parts,
     memory_tensors,
     optimizer_state_tensors,
+    quantized,
     same_device,
     storage_key,
     storage_of,
+    weight_state_tensors,
     wrapped_tensors,
 )
 from lightning_memtrace.types import Category
@@ -240,6 +242,11 @@ class CategoryCounter:
                     candidates.extend(group.get("params", []))
             for tensor in candidates:
                 if isinstance(tensor, Tensor) and id(tensor) not in seen:
+                    seen.add(id(tensor))
+                    params.append(tensor)
+            # a quantized weight's scales and code tables are part of it (bitsandbytes' 4-bit and 8-bit weights)
+            for tensor in list(weight_state_tensors(params, self.model)) if quantized(params) else ():
+                if id(tensor) not in seen:
                     seen.add(id(tensor))
                     params.append(tensor)
             self._params = params

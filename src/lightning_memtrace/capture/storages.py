@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
+_PLAIN_PARAMETER_TYPES = frozenset(PLAIN_TENSORS)
 
 
 #: ``UntypedStorage._fix_weakref``, where this torch has it.
@@ -86,6 +87,58 @@ def memory_tensors(tensors: Iterable[Tensor]) -> Iterator[Tensor]:
             yield tensor
         else:
             yield from inner
+
+
+#: The public attributes of torch's own tensor subclasses (a fake tensor's mode, constant, the real tensor it stands
+#: for): none is part of a weight.
+_TORCH_TENSOR_FIELDS = frozenset({"fake_mode", "constant", "pytype", "dispatch_keys", "real_tensor"})
+
+
+def is_quantized_weight(param: Tensor) -> bool:
+    """Whether ``param`` is of a parameter subclass from outside torch (bitsandbytes' ``Params4bit``, ``Int8Params``),
+    or a fake tensor that carries such a weight's attributes (the estimate's copy of one): a weight that may keep part
+    of itself beside its data (see :func:`weight_state_tensors`)."""
+    kind = type(param)
+    if kind in _PLAIN_PARAMETER_TYPES:
+        return False
+    if not kind.__module__.startswith("torch"):
+        return True
+    return any(not name.startswith("_") and name not in _TORCH_TENSOR_FIELDS for name in getattr(param, "__dict__", ()))
+
+
+def quantized(params: Iterable[Tensor]) -> bool:
+    """Whether any of ``params`` is a quantized weight (:func:`is_quantized_weight`); cheap for plain parameters."""
+    return not set(map(type, params)) <= _PLAIN_PARAMETER_TYPES and any(map(is_quantized_weight, params))
+
+
+def weight_state_tensors(params: Iterable[Tensor], model: torch.nn.Module | None = None) -> Iterator[Tensor]:
+    """The tensors a quantized weight keeps beside its data, which are part of it: in the attributes of a parameter
+    subclass (bitsandbytes' 4-bit ``Params4bit``: the scale of each block in ``quant_state``, itself quantized with
+    ``compress_statistics``, and the code tables; 8-bit ``Int8Params``: ``CB``, ``SCB``) and in the helper objects of
+    the layer that holds it (``Linear8bitLt.state``, where the 8-bit weight's scales move at its first forward).
+    Objects from outside torch are entered (three deep); modules, torch's own objects and private attributes are not.
+    Nothing for plain parameters."""
+    holders = [param for param in params if is_quantized_weight(param)]
+    for param in holders:
+        yield from _object_state_tensors(getattr(param, "__dict__", {}), 0, top_tensors=True)
+    if model is None or not holders:
+        return
+    for sub in model.modules():
+        if any(is_quantized_weight(p) for p in sub._parameters.values() if p is not None):
+            yield from _object_state_tensors(sub.__dict__, 0, top_tensors=False)
+
+
+def _object_state_tensors(state: dict[str, Any], depth: int, top_tensors: bool) -> Iterator[Tensor]:
+    for name, value in state.items():
+        if name.startswith("_"):
+            continue
+        if isinstance(value, Tensor):
+            if top_tensors and name not in _TORCH_TENSOR_FIELDS:
+                yield value
+        elif depth < 3 and not isinstance(value, (type, torch.nn.Module)):
+            inner = getattr(value, "__dict__", None)
+            if inner and not type(value).__module__.startswith("torch"):
+                yield from _object_state_tensors(inner, depth + 1, top_tensors=True)
 
 
 #: Module attributes that hold no tensors of the module's own state beside its buffers (parameters, buffers and

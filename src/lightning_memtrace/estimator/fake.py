@@ -16,7 +16,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_memtrace.capture.storages import attribute_tensors, is_module_state
+from lightning_memtrace.capture.storages import (
+    attribute_tensors,
+    is_module_state,
+    is_quantized_weight,
+    quantized,
+    storage_key,
+    weight_state_tensors,
+)
 from lightning_memtrace.estimator.inputs import InputSpec, map_batch
 
 
@@ -183,11 +190,14 @@ def _fake_tensors(
     def cast(t: Tensor) -> torch.dtype | None:
         return param_dtype if param_dtype is not None and t.is_floating_point() else None
 
-    for param in module.parameters():
+    params = list(module.parameters())
+    for param in params:
         if id(param) not in memo:
             memo[id(param)] = nn.Parameter(
                 _fake_tensor(param, mode, device, cast(param)), requires_grad=param.requires_grad
             )
+    if quantized(params):
+        _fake_weight_states(module, params, mode, device, memo)
     for buffer in module.buffers():
         if id(buffer) not in memo:
             memo[id(buffer)] = _fake_tensor(buffer, mode, device, cast(buffer))
@@ -202,6 +212,38 @@ def _fake_tensors(
         else:
             memo[id(tensor)] = _fake_tensor(tensor, mode, device).requires_grad_(tensor.requires_grad)
     return memo
+
+
+def _fake_weight_states(
+    module: nn.Module, params: list[Tensor], mode: Any, device: torch.device, memo: dict[int, Any]
+) -> None:
+    """Quantized weights' scales and code tables (see :func:`~lightning_memtrace.capture.storages.weight_state_tensors`:
+    bitsandbytes' ``Params4bit.quant_state``, ``Int8Params.CB``/``SCB``, ``Linear8bitLt.state``) onto fake tensors in
+    ``memo``, and each quantized weight's attributes onto its fake, as its layer's forward reads them. A tensor that
+    shares a weight's memory (an 8-bit weight's ``CB`` before its first forward) becomes a view of the weight's fake;
+    the objects holding them are copied (the layer's reference to the same object gets the same copy); a reference
+    back to a module is dropped."""
+    fake_of_storage = {}
+    for param in params:
+        key = storage_key(param)
+        if key is not None:
+            fake_of_storage[key[0]] = memo[id(param)]
+    for tensor in weight_state_tensors(params, module):
+        if id(tensor) in memo:
+            continue
+        key = storage_key(tensor)
+        shared = fake_of_storage.get(key[0]) if key is not None else None
+        if shared is not None and shared.dtype == tensor.dtype:
+            with mode:
+                view = shared.detach().as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
+            memo[id(tensor)] = view.requires_grad_(tensor.requires_grad)
+        else:
+            memo[id(tensor)] = _fake_tensor(tensor, mode, device).requires_grad_(tensor.requires_grad)
+    for param in params:
+        if is_quantized_weight(param):
+            fake = memo[id(param)]
+            for name, value in param.__dict__.items():
+                setattr(fake, name, None if isinstance(value, nn.Module) else copy.deepcopy(value, memo))
 
 
 def _replace_in_place(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
@@ -219,8 +261,9 @@ def _replace_in_place(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
 
 
 def _with_fakes(value: Any, memo: dict[int, Any], depth: int) -> Any:
-    """``value`` with the tensors of ``memo`` replaced (lists and dicts changed in place, tuples rebuilt)."""
-    if isinstance(value, Tensor):
+    """``value`` with the tensors of ``memo`` replaced (lists and dicts changed in place, tuples rebuilt; an object
+    that ``memo`` copied, such as a 4-bit weight's ``quant_state``, by its copy)."""
+    if isinstance(value, Tensor) or id(value) in memo:
         return memo.get(id(value), value)
     if depth < 3 and isinstance(value, list):
         value[:] = [_with_fakes(item, memo, depth + 1) for item in value]
