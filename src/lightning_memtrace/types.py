@@ -280,3 +280,13 @@ _AUTO_CLASSES = {
     Task.IMAGE_CLASSIFICATION: "AutoModelForImageClassification",
     Task.SPEECH_SEQ2SEQ: "AutoModelForSpeechSeq2Seq",
 }
+
+
+class Quantization(TextEnum):
+    """How the base model's layers are loaded quantized by bitsandbytes (``memtrace estimate --quantize``; see
+    :mod:`~lightning_memtrace.estimator.quantization`)."""
+
+    #: 4-bit NormalFloat with double quantization (QLoRA's ``load_in_4bit=True``).
+    NF4 = "nf4"
+    #: LLM.int8 (``load_in_8bit=True``).
+    INT8 = "int8"

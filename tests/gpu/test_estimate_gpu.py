@@ -339,6 +339,13 @@ def test_a_qlora_modules_cuda_estimate_meets_the_gpu_run(tmp_path):
         del module
         _fresh_cuda()
     error = (estimate.peak_bytes - peak) / peak
-    print(json.dumps({"qlora_estimate": estimate.peak_bytes, "max_memory_allocated": peak,
-                      "error_percent": 100 * error}))
-    assert abs(error) <= 0.10
+    # the same run from the config alone (`memtrace estimate --quantize nf4 --lora`): no weights, no checkpoint
+    from_config = estimate_from_config(
+        _QWEN2_SMALL, 8, 256, device="cuda", task="sequence-classification", precision="bf16-mixed", steps=3,
+        quantize="nf4", lora=True,
+    )  # fmt: skip
+    config_error = (from_config.peak_bytes - peak) / peak
+    print(json.dumps({"qlora_estimate": estimate.peak_bytes, "from_config": from_config.peak_bytes,
+                      "max_memory_allocated": peak, "error_percent": 100 * error,
+                      "from_config_error_percent": 100 * config_error}))  # fmt: skip
+    assert abs(error) <= 0.10 and abs(config_error) <= 0.10

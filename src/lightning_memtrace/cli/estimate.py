@@ -8,6 +8,8 @@ Usage::
     memtrace estimate --config qwen2.5-1.5b.json --batch-size 16 --seq-len 256 --device-memory 24GiB --what-if
     memtrace estimate --config bert/config.json --task sequence-classification --batch-size 32 --seq-len 128
     memtrace estimate --config vit/config.json --task image-classification --batch-size 64
+    memtrace estimate --config qwen2.5-7b/config.json --batch-size 4 --seq-len 1024 --precision bf16-mixed \
+        --quantize nf4 --lora --gradient-checkpointing --device-memory 24GiB
 
 The model is built from its Hugging Face config on the meta device and trained for a few steps on fake tensors
 (:func:`lightning_memtrace.estimator.estimate_from_config`). Exit status: 0 when it fits (or no budget was given),
@@ -27,7 +29,7 @@ from typing import Any
 
 from lightning_memtrace.cli.args import bytes_arg, positive_int
 from lightning_memtrace.cli.errors import PROG, Parser, describe, error_line, run_guarded
-from lightning_memtrace.types import Task
+from lightning_memtrace.types import Quantization, Task
 from lightning_memtrace.units import format_bytes
 
 NOT_FIT_EXIT = 1
@@ -70,6 +72,8 @@ _ESTIMATE_OPTIONS = (
     "task",
     "target_len",
     "image_size",
+    "quantize",
+    "lora",
 )
 #: Errors whose message alone is the one line (anything else also names its type).
 PLAIN_ERRORS = (ValueError, OSError, KeyError, TypeError, ModuleNotFoundError, json.JSONDecodeError)
@@ -106,6 +110,20 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=None,
         help="image-classification: an image's side in pixels (default: the config's image_size, else 224)",
+    )
+    parser.add_argument(
+        "--quantize",
+        choices=[quantization.value for quantization in Quantization],
+        default=None,
+        help="the base loaded quantized by bitsandbytes, as from_pretrained(..., quantization_config="
+        "BitsAndBytesConfig(...)) loads it: nf4 (QLoRA's 4-bit base, double quantization, computing in the "
+        "precision's half type) or int8; with --lora, a QLoRA run (needs bitsandbytes)",
+    )
+    parser.add_argument(
+        "--lora",
+        action="store_true",
+        help="train LoRA adapters (peft, r=16, on the attention projections; a task head in full), the base frozen "
+        "(needs peft)",
     )
     parser.add_argument(
         "--optimizer",

@@ -189,6 +189,8 @@ def estimate_argv(
     task: str | None = None,
     target_len: int | None = None,
     image_size: int | None = None,
+    quantize: str | None = None,
+    lora: bool = False,
 ) -> list[str]:
     """The ``memtrace`` arguments of an ``estimate`` tool call (without ``--json``)."""
     options = [
@@ -209,6 +211,8 @@ def estimate_argv(
         ("--task", task),
         ("--target-len", target_len),
         ("--image-size", image_size),
+        ("--quantize", quantize),
+        ("--lora", bool(lora)),
     ]
     return ["estimate", *_options(options)]
 
@@ -296,6 +300,8 @@ def build_server() -> Any:
         task: str | None = None,
         target_len: int | None = None,
         image_size: int | None = None,
+        quantize: str | None = None,
+        lora: bool = False,
     ) -> CallToolResult:
         """`memtrace estimate ... --json`: the memory of training a Hugging Face model, per phase and category,
         from its config (run on fake tensors: no GPU, no weights). config: a config.json or a folder holding one;
@@ -305,7 +311,8 @@ def build_server() -> Any:
         find_max_batch: search the largest micro-batch that fits in device_memory (up to max_batch_size); task:
         causal-lm (default), masked-lm, seq2seq-lm (target_len: its label tokens), sequence-classification,
         token-classification, question-answering, image-classification (image_size: an image's side; no seq_len) or
-        speech-seq2seq (Whisper: audio features from its config, target_len label tokens; no seq_len)."""
+        speech-seq2seq (Whisper: audio features from its config, target_len label tokens; no seq_len); quantize:
+        nf4 (QLoRA's 4-bit base) or int8, as bitsandbytes loads it; lora: LoRA adapters, the base frozen."""
         argv = estimate_argv(
             config,
             seq_len,
@@ -324,6 +331,8 @@ def build_server() -> Any:
             task,
             target_len,
             image_size,
+            quantize,
+            lora,
         )
         return _result(argv)
 

@@ -18,6 +18,7 @@ from lightning_memtrace.estimator.result import Estimate
 from lightning_memtrace.estimator.run import estimate
 from lightning_memtrace.estimator.tasks import Task, prepare_config, task_batch, task_detail
 from lightning_memtrace.models import TRANSFORMERS_AVAILABLE, load_config_dict
+from lightning_memtrace.types import Quantization
 
 
 def _hf_config(config: str | os.PathLike | Mapping[str, Any]) -> Any:
@@ -203,6 +204,8 @@ def estimate_from_config(
     task: Task | str = Task.CAUSAL_LM,
     target_len: int | None = None,
     image_size: int | None = None,
+    quantize: Quantization | str | None = None,
+    lora: bool = False,
 ) -> Estimate:
     """Estimate a Hugging Face causal LM (or ``task``'s model) from its config alone (a dict, a ``config.json``, a
     folder or a hub id).
@@ -241,11 +244,30 @@ def estimate_from_config(
         target_len: A seq2seq model's label tokens (default ``seq_len``; speech: the config's
             ``max_target_positions``).
         image_size: An image's side for ``image-classification`` (default: the config's ``image_size``, else 224).
+        quantize: Load the base quantized by bitsandbytes, as ``from_pretrained(..., quantization_config=...)``
+            does: ``nf4`` (QLoRA's 4-bit base, double quantization, computing in the precision's half type) or
+            ``int8`` (see :mod:`~lightning_memtrace.estimator.quantization`). Needs bitsandbytes.
+        lora: Train LoRA adapters (peft, r=16, on the attention projections; a task head in full), the base frozen,
+            as :func:`~lightning_memtrace.estimator.remedies.apply_lora` applies them (after quantizing). Needs peft.
     """
     name = OptimizerName(str(optimizer).lower())
     precision = Precision.parse(precision)
     task = Task(task)
     built = model if model is not None else build_meta_model(config, attn_implementation, task)
+    if quantize and fsdp > 1:
+        raise ValueError(
+            "FSDP over quantized weights (FSDP-QLoRA, bnb_4bit_quant_storage) is not estimated: estimate --quantize "
+            "on one device"
+        )
+    if quantize or lora:
+        from lightning_memtrace.estimator.quantization import load_quantized
+        from lightning_memtrace.estimator.remedies import apply_lora, meta_copy
+
+        built = meta_copy(built) if built is model else built  # the caller's model is reused as it is
+        if quantize:
+            built = load_quantized(built, quantize, precision)
+        if lora:
+            built = apply_lora(built)
     batch = task_batch(task, getattr(built, "config", None), batch_size, seq_len, target_len, image_size)
 
     def factory(fake_model: nn.Module) -> torch.optim.Optimizer:

@@ -55,6 +55,9 @@ class Estimate:
         task: What a model built from a config is trained for, in words, where not a causal LM
             (``sequence-classification``, ``image-classification (3 x 224 x 224 images)``...; see
             :mod:`~lightning_memtrace.estimator.tasks`); empty otherwise.
+        quantization: The model's quantized weights in words (``4-bit nf4 weights in 14 layers (bitsandbytes)``:
+            QLoRA's base; see :mod:`~lightning_memtrace.estimator.quantization`); empty where none is.
+        lora: The model trains LoRA adapters (peft), its base frozen.
         allocator_log: For a CUDA target, the requests and frees the caching allocator's model served and its
             settings (see :meth:`allocator_fits`): the rows' ``allocated_bytes`` and ``peak_bytes`` are then the
             allocator's blocks and ``reserved_bytes`` its segments. None for a CPU target (reserved equals allocated).
@@ -82,6 +85,8 @@ class Estimate:
     blas_workspace_bytes: int = 0
     allocator_log: AllocatorLog | None = dataclasses.field(default=None, compare=False)
     task: str = ""
+    quantization: str = ""
+    lora: bool = False
 
     def __repr__(self) -> str:
         """One line, as :meth:`describe` with the peak (the rows are in ``records``, the table in :meth:`table`)."""
@@ -216,6 +221,8 @@ class Estimate:
             "batch_size": self.batch_size,
             "seq_len": self.seq_len,
             "task": self.task,
+            "quantization": self.quantization,
+            "lora": self.lora,
             "accumulate_grad_batches": self.accumulate_grad_batches,
             "gradient_checkpointing": self.gradient_checkpointing,
             "attention": self.attention,
@@ -310,6 +317,10 @@ class Estimate:
         parts = [self.device, self.precision, optimizer]
         if self.task:
             parts.append(self.task)
+        if self.quantization:
+            parts.append(self.quantization)
+        if self.lora:
+            parts.append("LoRA adapters (base frozen)")
         if self.batch_size is not None:
             parts.append(f"batch {self.batch_size}" + (f" x {self.seq_len} tokens" if self.seq_len else ""))
         if self.accumulate_grad_batches > 1:

@@ -49,6 +49,8 @@ from lightning_memtrace.estimator.grouped_mm import grouped_mm_in_every_dtype
 from lightning_memtrace.estimator.layer_drop import no_layer_dropped
 from lightning_memtrace.estimator.loop import run_steps
 from lightning_memtrace.estimator.manual import configured
+from lightning_memtrace.estimator.quantization import quantized_layers
+from lightning_memtrace.estimator.remedies import has_lora_adapters
 from lightning_memtrace.estimator.result import Estimate
 from lightning_memtrace.estimator.tensor_values import FiniteCheckNeeded, values_answered
 from lightning_memtrace.estimator.sharded import (
@@ -289,6 +291,8 @@ def _estimate(
         seq_len=seq_len,
         accumulate_grad_batches=accumulate,
         gradient_checkpointing=bool(gradient_checkpointing or _checkpointing_on(model)),
+        quantization=quantized_layers(model),
+        lora=has_lora_adapters(model),
         seconds=time.perf_counter() - started,
         attention=attention_label(attn_implementation(model), kernels, emulate_cuda),
         compiled=compiled,

@@ -208,7 +208,7 @@ class ConfigSetup(Setup):
         self.model = model if model is not None else build_meta_model(config, task=options.get("task", "causal-lm"))
         self.checkpointing_line = checkpointing_line(self.model)
         self.lora_line = lora_line(self.model)
-        self.options = options  # optimizer, device, lr, steps, task, target_len, image_size
+        self.options = options  # optimizer, device, lr, steps, task, target_len, image_size, quantize
 
     def _base_factory(self, model: nn.Module) -> Any:
         from lightning_memtrace.estimator.closed_form import _optimizer_kind
@@ -231,7 +231,8 @@ class ConfigSetup(Setup):
             self.seq_len,
             precision=settings.precision,
             accumulate_grad_batches=settings.accumulate_grad_batches,
-            model=rm.module_for(self.model, settings),
+            model=self.model,
+            lora=settings.lora,  # after quantizing (``quantize`` in the options), as a user applies it
             optimizer_factory=rm.optimizer_factory_for(settings, self._base_factory) if changed else None,
             prepare=rm.prepare_for(settings),
             fsdp=settings.world_size,
@@ -743,6 +744,8 @@ def what_if_from_config(
     task: str = "causal-lm",
     target_len: int | None = None,
     image_size: int | None = None,
+    quantize: str | None = None,
+    lora: bool = False,
 ) -> WhatIf:
     """What would fit, for a Hugging Face causal LM (or ``task``'s model) from its config (as
     :func:`~lightning_memtrace.estimator.estimate_from_config` takes it); see :func:`what_if_result` (and
@@ -755,10 +758,11 @@ def what_if_from_config(
         accumulate_grad_batches=max(1, int(accumulate_grad_batches)),
         gradient_checkpointing=bool(gradient_checkpointing),
         ddp_buckets=bool(ddp_buckets),
+        lora=bool(lora),
     )
     setup = ConfigSetup(
         config, seq_len, settings, model, optimizer=optimizer, device=device, steps=steps, task=task,
-        target_len=target_len, image_size=image_size,
+        target_len=target_len, image_size=image_size, quantize=quantize,
     )
     return what_if_for_setup(
         setup,
