@@ -153,3 +153,40 @@ def test_the_command_estimates_a_qlora_run(tmp_path, capsys):
         main(["--config", str(config), "--batch-size", "2", "--seq-len", "32", "--quantize", "fp8"])
     assert exited.value.code == 2
     assert "argument --quantize: invalid choice: 'fp8'" in capsys.readouterr().err
+
+
+def test_the_qlora_remedy_and_its_snippet(tmp_path):
+    """The what-if's ``qlora`` (a 4-bit base with LoRA) on a config: LoRA's gradients with the base's layers in 4 bits,
+    against a real CPU run of the model saved and loaded so; its snippet loads the base as the estimate did, in the
+    combination's precision; on a module with LoRA and 4-bit layers already, it is not offered again."""
+    from lightning_memtrace.cli.estimate import REMEDIES
+    from lightning_memtrace.estimator.remedies import LORA_RANK, Remedy, Settings, lora_targets
+    from lightning_memtrace.estimator.what_if import ConfigSetup, snippet, what_if_from_config, what_if_result
+
+    assert REMEDIES == tuple(remedy.value for remedy in Remedy)  # the command's choices, kept apart from torch
+    result = what_if_from_config(QWEN2, BATCH, SEQ, device="cpu", task="sequence-classification", steps=3,
+                                 remedies=["lora", "qlora"], max_batch=False)  # fmt: skip
+    rows = {row.remedy: row for row in result.rows}
+    assert rows["qlora"].categories["gradients"] == rows["lora"].categories["gradients"]
+    assert rows["qlora"].categories["parameters"] < rows["lora"].categories["parameters"]
+    module = _loaded(tmp_path, QWEN2, 4)
+    lora = peft.LoraConfig(task_type="SEQ_CLS", r=LORA_RANK, lora_alpha=2 * LORA_RANK, lora_dropout=0.0,
+                           target_modules=lora_targets(module))  # fmt: skip
+    module.model = peft.get_peft_model(module.model, lora)
+    phases = real_run(tmp_path / "run", module, allocation_backend="auto")
+    real = phases[phases.step >= 1]
+    for category in ("parameters", "gradients", "optimizer_state"):
+        assert rows["qlora"].categories[category] == int(real[f"{category}_bytes"].max()), category
+    assert abs(rows["qlora"].peak_bytes - real.peak_bytes.max()) <= 0.03 * real.peak_bytes.max()
+
+    setup = ConfigSetup(QWEN2, SEQ, Settings(batch_size=BATCH), device="cpu", task="sequence-classification")
+    assert snippet(setup, [Remedy.BF16_MIXED, Remedy.QLORA]).splitlines()[1:] == [
+        'model = AutoModelFor...from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True, '
+        'bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16))',
+        'model = peft.inject_adapter_in_model(LoraConfig(r=16, lora_alpha=32, target_modules=["k_proj", "o_proj", '
+        '"q_proj", "v_proj"], modules_to_save=["score"]), model)  # base frozen; or '
+        "lightning_memtrace.estimator.remedies.apply_lora(model)",
+    ]
+    batch = next(iter(module.train_dataloader()))
+    again = what_if_result(module, batch, device="cpu", max_batch=False, remedies=["lora", "qlora"])
+    assert again.skipped == {"lora": "already LoRA", "qlora": "already quantized"}

@@ -96,7 +96,9 @@ def test_tiny_qwen2_remedy_matches_real_run(tmp_path, lm_what_if, remedy):
     _check("tiny qwen2", row, _real(tmp_path, _lm, remedy.value, LM_BATCH))
 
 
-@pytest.mark.parametrize("remedy", [r for r in MEASURED_REMEDIES if r is not Remedy.LORA], ids=lambda r: r.value)
+@pytest.mark.parametrize(
+    "remedy", [r for r in MEASURED_REMEDIES if r not in (Remedy.LORA, Remedy.QLORA)], ids=lambda r: r.value
+)
 def test_mlp_remedy_matches_real_run(tmp_path, mlp_what_if, remedy):
     row = _row(mlp_what_if, remedy)
     _check("mlp", row, _real(tmp_path, lambda b: MLP(batch_size=b), remedy.value, MLP_BATCH))
@@ -109,9 +111,13 @@ def test_remedies_save_what_they_should(lm_what_if, mlp_what_if):
     assert rows["bf16-true"].categories["parameters"] == today[Category.PARAMETERS] // 2
     assert rows["adafactor"].categories["optimizer_state"] < today[Category.OPTIMIZER_STATE] / 50
     assert rows["lora"].categories["gradients"] < today[Category.GRADIENTS] / 10
+    # QLoRA: LoRA's gradients and state, and the base's layers in 4 bits (the tied embedding stays as it is)
+    qlora, lora = rows["qlora"].categories, rows["lora"].categories
+    assert qlora["gradients"] == lora["gradients"] and qlora["parameters"] < lora["parameters"] / 3
     assert rows["half_micro_batch"].categories["activations"] < today[Category.ACTIVATIONS] * 0.6
     assert rows["optimizer_offload"].kind == "formula" and rows["optimizer_offload"].categories["optimizer_state"] == 0
     assert "lora" in mlp_what_if.skipped and "no attention projection" in mlp_what_if.skipped["lora"]
+    assert mlp_what_if.skipped["qlora"] == "ValueError: MLP holds no Hugging Face model: it cannot be loaded quantized"
     assert mlp_what_if.skipped["fsdp"].startswith("needs --devices")
 
 

@@ -56,6 +56,7 @@ REMEDIES = (
     "optimizer_offload",
     "fsdp",
     "lora",
+    "qlora",
 )
 PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "bf16-true", "16-true")
 #: ``--attn-implementation`` choices (transformers' names); without the option, transformers' default for the model.

@@ -48,42 +48,75 @@ def config_line(quantization: Quantization, precision: Precision) -> str:
 
 
 def load_quantized(model: nn.Module, quantization: Quantization | str, precision: Precision) -> nn.Module:
-    """``model`` (a Hugging Face model on the meta device) with its layers replaced and quantized as loading it with
-    :func:`bitsandbytes_config` would, in place.
+    """``model``'s Hugging Face models (``model`` itself, or those a LightningModule holds) with their layers replaced
+    and quantized as loading them with :func:`bitsandbytes_config` would, in place: meta weights stay meta (their
+    packed data and scales meta too), real ones are quantized from their values.
 
     Raises:
         ModuleNotFoundError: bitsandbytes is not installed.
-        ValueError: ``model`` is not a Hugging Face model, or has nothing to quantize.
+        ValueError: ``model`` holds no Hugging Face model, or nothing to quantize.
     """
     from lightning_memtrace.estimator.remedies import import_bitsandbytes
 
     bnb = import_bitsandbytes()
-    from transformers.quantizers.auto import AutoHfQuantizer
-
     quantization = Quantization(quantization)
-    if not hasattr(model, "get_output_embeddings"):
-        raise ValueError(f"{type(model).__name__} is not a Hugging Face model: it cannot be loaded quantized")
-    quantizer = AutoHfQuantizer.from_config(bitsandbytes_config(quantization, precision), pre_quantized=False)
-    quantizer.preprocess_model(model, device_map={"": "meta"})
-    meta = torch.device("meta")
-    quantized = 0
+    models = _hugging_face_models(model)
+    if not models:
+        raise ValueError(f"{type(model).__name__} holds no Hugging Face model: it cannot be loaded quantized")
     # bitsandbytes caches its code table on the device of the first weight it quantizes: a meta one would break
     # every real load after this one
     code_tables = bnb.functional.name2qmap
     cached = set(code_tables)
     try:
-        for layer in model.modules():
-            weight = layer._parameters.get("weight")
-            if isinstance(weight, (bnb.nn.Params4bit, bnb.nn.Int8Params)) and weight.is_meta:
-                # what `.to(device)` does on a real load: the packed weight and its scales (and the layer's reference)
-                layer.weight = weight._quantize(meta)
-                quantized += 1
+        quantized = sum(_load(hf, quantization, precision, bnb) for hf in models)
     finally:
         for name in set(code_tables) - cached:
             del code_tables[name]
     if not quantized:
         raise ValueError(f"{type(model).__name__} has no layer that bitsandbytes quantizes")
     return model
+
+
+def _hugging_face_models(model: nn.Module) -> list[nn.Module]:
+    """The outermost Hugging Face models in ``model`` (``model`` itself where it is one)."""
+    from transformers import PreTrainedModel
+
+    found: list[tuple[str, nn.Module]] = []
+    for name, sub in model.named_modules():
+        inside = any(name.startswith(f"{outer}.") or not outer for outer, _ in found)
+        if isinstance(sub, PreTrainedModel) and not inside:
+            found.append((name, sub))
+    return [sub for _, sub in found]
+
+
+def _load(model: nn.Module, quantization: Quantization, precision: Precision, bnb: object) -> int:
+    """Quantize one Hugging Face model in place (see :func:`load_quantized`); the number of layers quantized."""
+    from transformers.quantizers.auto import AutoHfQuantizer
+
+    before = {
+        name: (sub._parameters.get("weight"), sub._parameters.get("bias"))
+        for name, sub in model.named_modules()
+        if sub._parameters.get("weight") is not None
+    }
+    quantizer = AutoHfQuantizer.from_config(bitsandbytes_config(quantization, precision), pre_quantized=False)
+    quantizer.preprocess_model(model, device_map={"": "meta"})
+    quantized = 0
+    for name, layer in model.named_modules():
+        weight = layer._parameters.get("weight")
+        if not isinstance(weight, (bnb.nn.Params4bit, bnb.nn.Int8Params)) or not weight.is_meta:
+            continue
+        original, bias = before.get(name, (None, None))
+        if original is None or original.is_meta:
+            # what `.to(device)` does on a real load: the packed weight and its scales (and the layer's reference)
+            layer.weight = weight._quantize(torch.device("meta"))
+        else:
+            values = original.data.t() if getattr(layer, "source_cls", nn.Linear) is not nn.Linear else original.data
+            state = {key: value for key, value in weight.__dict__.items() if key != "data"}
+            layer.weight = type(weight)(values.contiguous(), requires_grad=False, **state)._quantize(original.device)
+            if bias is not None:
+                layer.bias = nn.Parameter(bias.data, requires_grad=False)
+        quantized += 1
+    return quantized
 
 
 def quantized_layers(model: nn.Module) -> str:

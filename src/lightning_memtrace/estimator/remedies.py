@@ -38,6 +38,7 @@ class Remedy(TextEnum):
     OPTIMIZER_OFFLOAD = "optimizer_offload"
     FSDP = "fsdp"
     LORA = "lora"
+    QLORA = "qlora"
 
     @classmethod
     def parse(cls, value: str | Remedy) -> Remedy:
@@ -65,6 +66,7 @@ PRICES: dict[Remedy, str] = {
     Remedy.OPTIMIZER_OFFLOAD: "optimizer step on the CPU, host traffic every step",
     Remedy.FSDP: "N devices, all-gathers every layer's weights each step",
     Remedy.LORA: "trains adapters only (r=16), not the full model",
+    Remedy.QLORA: "LoRA on a 4-bit (nf4) base: weights dequantized at each use, quantization error",
 }
 
 #: Remedies one process cannot run: closed forms over the measured categories.
@@ -113,6 +115,9 @@ class Settings:
     optimizer: str | None = None
     foreach_off: bool = False
     lora: bool = False
+    #: The base loaded quantized by bitsandbytes (``nf4``, ``int8``; see
+    #: :mod:`~lightning_memtrace.estimator.quantization`), None: as it is.
+    quantize: str | None = None
     #: Ranks the estimate shards over (FSDP2 over torch's fake process group; 1: unsharded).
     world_size: int = 1
     #: The N that the ``fsdp`` remedy shards over (the what-if's ``devices``).
@@ -139,6 +144,7 @@ class Settings:
             Remedy.ADAFACTOR: {"optimizer": "adafactor"},
             Remedy.ADAMW_8BIT: {"optimizer": "adamw_8bit"},
             Remedy.LORA: {"lora": True},
+            Remedy.QLORA: {"lora": True, "quantize": "nf4"},
             Remedy.GRADIENT_AS_BUCKET_VIEW: {"ddp_buckets": False},
         }
         return dataclasses.replace(self, **changes.get(remedy, {}))
@@ -169,6 +175,7 @@ def not_applicable(remedy: Remedy, settings: Settings) -> str | None:
         Remedy.ADAFACTOR: settings.optimizer == "adafactor" and "already Adafactor",
         Remedy.ADAMW_8BIT: settings.optimizer == "adamw_8bit" and "already 8-bit",
         Remedy.LORA: settings.lora and "already LoRA",
+        Remedy.QLORA: settings.quantize and f"already {settings.quantize}",
         Remedy.GRADIENT_AS_BUCKET_VIEW: not settings.ddp_buckets and "not a DDP run with gradient_as_bucket_view=False",
     }
     return reasons.get(remedy) or None
@@ -328,9 +335,22 @@ def meta_copy(module: nn.Module) -> nn.Module:
 
 
 def module_for(module: nn.Module, settings: Settings) -> nn.Module:
-    """The module the estimate copies for ``settings``: ``module`` itself, or a meta copy with LoRA applied (new
-    parameters must exist before the copy onto fake tensors, which then casts them with the rest)."""
-    return apply_lora(meta_copy(module)) if settings.lora else module
+    """The module the estimate copies for ``settings``: ``module`` itself, or a meta copy loaded quantized and with
+    LoRA applied, in that order, as a user does (new parameters must exist before the copy onto fake tensors, which
+    then casts them with the rest)."""
+    if not (settings.lora or settings.quantize):
+        return module
+    copied = meta_copy(module)
+    if settings.quantize:
+        _load_quantized(copied, settings)
+    return apply_lora(copied) if settings.lora else copied
+
+
+def _load_quantized(module: nn.Module, settings: Settings) -> None:
+    from lightning_memtrace.estimator.inputs import Precision
+    from lightning_memtrace.estimator.quantization import load_quantized
+
+    load_quantized(module, str(settings.quantize), Precision.parse(settings.precision))
 
 
 def prepare_for(settings: Settings) -> Callable[[nn.Module], Any] | None:
@@ -397,8 +417,9 @@ def optimizer_factory_for(
 def apply_remedies(
     module: nn.Module, remedies: Iterable[Remedy | str], settings: Settings, lr: float = 1e-3
 ) -> Settings:
-    """Apply measured remedies to a real LightningModule in place, as the prediction assumed them: LoRA, then
-    checkpointing, then the optimizer (``configure_optimizers`` replaced on the instance).
+    """Apply measured remedies to a real LightningModule in place, as the prediction assumed them: the base's
+    quantization (its Hugging Face models' weights quantized as loading them so would), LoRA, then checkpointing, then
+    the optimizer (``configure_optimizers`` replaced on the instance).
 
     Args:
         module: The LightningModule to train (changed in place).
@@ -414,6 +435,8 @@ def apply_remedies(
 
     picked = [Remedy.parse(r) for r in remedies]
     new = settings.with_remedies(picked)
+    if new.quantize and not settings.quantize:
+        _load_quantized(module, new)
     if new.lora and not settings.lora:
         apply_lora(module)
     if new.gradient_checkpointing and not settings.gradient_checkpointing:

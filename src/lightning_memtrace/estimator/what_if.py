@@ -29,11 +29,12 @@ from torch import nn
 
 from lightning_memtrace.capture.ddp_buckets import BUCKET_VIEW_STRATEGY
 from lightning_memtrace.estimator import remedies as rm
-from lightning_memtrace.estimator.inputs import InputSpec, map_batch
+from lightning_memtrace.estimator.inputs import InputSpec, Precision, map_batch
+from lightning_memtrace.estimator.quantization import config_line
 from lightning_memtrace.estimator.remedies import FORMULA_REMEDIES, PRICES, Remedy, Settings
 from lightning_memtrace.estimator.result import Estimate
 from lightning_memtrace.estimator.search import find_max_batch
-from lightning_memtrace.types import Category
+from lightning_memtrace.types import Category, Quantization
 from lightning_memtrace.units import GIB, format_bytes
 
 #: Fixed headroom kept free on the device: the CUDA context and what else the allocator does not count.
@@ -44,6 +45,7 @@ HEADROOM_FRACTION = 0.05
 _GROUPS = (
     frozenset({Remedy.BF16_MIXED, Remedy.FP16_MIXED, Remedy.BF16_TRUE}),
     frozenset({Remedy.ADAMW_8BIT, Remedy.ADAFACTOR}),
+    frozenset({Remedy.LORA, Remedy.QLORA}),
 )
 
 
@@ -75,8 +77,6 @@ class Setup:
 
 def _block_bytes(model: nn.Module, precision: str) -> int:
     """Parameter bytes of the largest repeated block, at the precision's parameter dtype."""
-    from lightning_memtrace.estimator.inputs import Precision
-
     dtype = Precision.parse(precision).param_dtype
     blocks = rm.repeated_blocks(model)
     sizes = [
@@ -145,17 +145,20 @@ class ModuleSetup(Setup):
         device: torch.device | str | None = None,
         steps: int = 2,
     ) -> None:
+        from lightning_memtrace.capture.storages import quantized
         from lightning_memtrace.estimator.run import _checkpointing_on, _is_lightning_module, _target_device
 
         self.module, self.batch = module, batch
         # What the module has already is today's setting: the remedy that would add it again is skipped ("already
-        # LoRA", "already on"), and no estimate applies it a second time.
+        # LoRA", "already on", "already quantized"), and no estimate applies it a second time.
         self.lora_already = rm.has_lora_adapters(module)
         self.checkpointing_already = _checkpointing_on(module)
+        self.quantized_already = quantized(list(module.parameters()))
         self.settings = dataclasses.replace(
             settings,
             lora=settings.lora or self.lora_already,
             gradient_checkpointing=settings.gradient_checkpointing or self.checkpointing_already,
+            quantize=settings.quantize or ("quantized" if self.quantized_already else None),
         )
         self.optimizer_factory, self.training_step, self.steps = optimizer_factory, training_step, steps
         self.device = _target_device(module, device)
@@ -175,7 +178,7 @@ class ModuleSetup(Setup):
 
         changed = settings.optimizer is not None or settings.foreach_off
         return estimate(
-            self.module if self.lora_already else rm.module_for(self.module, settings),
+            self._module_for(settings),
             resize_batch(self.batch, settings.batch_size if settings.batch_size != self.settings.batch_size else None),
             optimizer_factory=rm.optimizer_factory_for(settings, self._base_factory)
             if changed
@@ -190,6 +193,17 @@ class ModuleSetup(Setup):
             world_size=settings.world_size,
             ddp_buckets=settings.ddp_buckets,
         )
+
+    def _module_for(self, settings: Settings) -> nn.Module:
+        """The module with what ``settings`` adds to it (LoRA, a quantized base), leaving what it has already."""
+        adds = dataclasses.replace(
+            settings,
+            lora=settings.lora and not self.lora_already,
+            quantize=None if self.quantized_already else settings.quantize,
+        )
+        if adds.quantize and self.lora_already:
+            raise ValueError("the module has LoRA adapters already: load its base quantized before adding them")
+        return rm.module_for(self.module, adds)
 
     def block_parameter_bytes(self, settings: Settings) -> int:
         return _block_bytes(self.module, settings.precision)
@@ -208,7 +222,7 @@ class ConfigSetup(Setup):
         self.model = model if model is not None else build_meta_model(config, task=options.get("task", "causal-lm"))
         self.checkpointing_line = checkpointing_line(self.model)
         self.lora_line = lora_line(self.model)
-        self.options = options  # optimizer, device, lr, steps, task, target_len, image_size, quantize
+        self.options = options  # optimizer, device, lr, steps, task, target_len, image_size
 
     def _base_factory(self, model: nn.Module) -> Any:
         from lightning_memtrace.estimator.closed_form import _optimizer_kind
@@ -232,7 +246,8 @@ class ConfigSetup(Setup):
             precision=settings.precision,
             accumulate_grad_batches=settings.accumulate_grad_batches,
             model=self.model,
-            lora=settings.lora,  # after quantizing (``quantize`` in the options), as a user applies it
+            quantize=settings.quantize,
+            lora=settings.lora,  # after quantizing, as a user applies it
             optimizer_factory=rm.optimizer_factory_for(settings, self._base_factory) if changed else None,
             prepare=rm.prepare_for(settings),
             fsdp=settings.world_size,
@@ -474,6 +489,8 @@ def _applicable(remedy: Remedy, setup: Setup, devices: int, explicit: bool) -> s
         return "needs --devices N (N >= 2)"
     if remedy is Remedy.LORA and not rm.available("peft"):
         return "needs peft"
+    if remedy is Remedy.QLORA and not (rm.available("peft") and rm.available("bitsandbytes")):
+        return "needs peft and bitsandbytes"
     if remedy is Remedy.FP16_MIXED and not explicit and setup.settings.precision != "16-true":
         return "for fp16-only hardware: ask for it by name"
     return rm.not_applicable(remedy, setup.settings)
@@ -687,7 +704,7 @@ def what_if_result(
         ddp_buckets: Today's run is DDP's with its gradient buckets (``gradient_as_bucket_view=False``): they are
             estimated, and remedy ``gradient_as_bucket_view`` is tried.
     """
-    from lightning_memtrace.estimator.inputs import Precision, batch_dims
+    from lightning_memtrace.estimator.inputs import batch_dims
 
     settings = Settings(
         precision=Precision.parse(precision).value,
@@ -750,7 +767,6 @@ def what_if_from_config(
     """What would fit, for a Hugging Face causal LM (or ``task``'s model) from its config (as
     :func:`~lightning_memtrace.estimator.estimate_from_config` takes it); see :func:`what_if_result` (and
     :func:`what_if_for_setup` for ``jobs``)."""
-    from lightning_memtrace.estimator.inputs import Precision
 
     settings = Settings(
         precision=Precision.parse(precision).value,
@@ -759,10 +775,11 @@ def what_if_from_config(
         gradient_checkpointing=bool(gradient_checkpointing),
         ddp_buckets=bool(ddp_buckets),
         lora=bool(lora),
+        quantize=quantize,
     )
     setup = ConfigSetup(
         config, seq_len, settings, model, optimizer=optimizer, device=device, steps=steps, task=task,
-        target_len=target_len, image_size=image_size, quantize=quantize,
+        target_len=target_len, image_size=image_size,
     )
     return what_if_for_setup(
         setup,
@@ -815,7 +832,12 @@ def _strategy(picked: Sequence[Remedy], devices: int) -> list[str]:
 
 def _module_lines(setup: Setup, picked: Sequence[Remedy]) -> list[str]:
     lines = []
-    if Remedy.LORA in picked:
+    if Remedy.QLORA in picked:
+        lines.append(
+            "model = AutoModelFor...from_pretrained(..., quantization_config="
+            f"{config_line(Quantization.NF4, Precision.parse(setup.settings.with_remedies(picked).precision))})"
+        )
+    if Remedy.LORA in picked or Remedy.QLORA in picked:
         lines.append(
             setup.lora_line
             or f"model = peft.inject_adapter_in_model(LoraConfig(r={rm.LORA_RANK}, lora_alpha={2 * rm.LORA_RANK}, "
