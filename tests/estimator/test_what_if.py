@@ -311,3 +311,21 @@ def test_the_checkpointing_snippet_runs_on_the_model_without_a_deprecation():
         warnings.simplefilter("error")
         exec(line, {"model": model})  # noqa: S102 - the snippet's own text, as a user pastes it
     assert model.is_gradient_checkpointing
+
+
+def test_an_optimizer_the_module_steps_already_is_not_offered_again():
+    """A module whose ``configure_optimizers`` returns Adafactor: the ``adafactor`` remedy is skipped ("already
+    Adafactor"), where it was listed as saving nothing; the other optimizer remedies stay."""
+    from transformers.optimization import Adafactor
+
+    class AdafactorMLP(MLP):
+        def configure_optimizers(self):
+            return Adafactor(self.parameters(), lr=1e-3, scale_parameter=False, relative_step=False)
+
+    module = AdafactorMLP(batch_size=MLP_BATCH)
+    batch = next(iter(module.train_dataloader()))
+    remedies = ["adafactor", "optimizer_foreach_off"]
+    result = what_if_result(module, batch, device="cpu", max_batch=False, remedies=remedies)
+    assert result.estimate.optimizer == "Adafactor"
+    assert result.skipped == {"adafactor": "already Adafactor"}
+    assert [row.remedy for row in result.rows] == ["optimizer_foreach_off"]

@@ -545,7 +545,7 @@ def _rows(
     rows: list[WhatIfRow] = []
     skipped: dict[str, str] = {}
     for index, remedy in enumerate(remedies):
-        reason = _applicable(remedy, engine.setup, engine.devices, explicit)
+        reason = _applicable(remedy, engine.setup, engine.devices, explicit) or _optimizer_already(remedy, today)
         if reason is not None:
             skipped[remedy.value] = reason
             continue
@@ -556,13 +556,24 @@ def _rows(
         except OutOfTime:
             late: list[str] = []
             for rest in remedies[index:]:
-                why = _applicable(rest, engine.setup, engine.devices, explicit)
+                why = _applicable(rest, engine.setup, engine.devices, explicit) or _optimizer_already(rest, today)
                 if why is None:
                     late.append(rest.value)
                 else:
                     skipped[rest.value] = why
             return rows, skipped, late
     return rows, skipped, []
+
+
+def _optimizer_already(remedy: Remedy, today: Estimate) -> str | None:
+    """Why an optimizer remedy would change nothing: today's run steps that optimizer already (a module's own
+    ``configure_optimizers``, read from today's estimate)."""
+    names = today.optimizer.split(" + ")
+    if remedy is Remedy.ADAFACTOR and "Adafactor" in names:
+        return "already Adafactor"
+    if remedy is Remedy.ADAMW_8BIT and any("8bit" in name for name in names):
+        return "already 8-bit"
+    return None
 
 
 def _replacing(chosen: list[Remedy], remedy: Remedy) -> list[Remedy]:
