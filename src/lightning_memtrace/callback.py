@@ -82,7 +82,8 @@ class MemTrace(Callback):
       counts what the module held before it started too: parameters, buffers, tensors kept as attributes)
     - ``reserved_bytes``: bytes reserved by the caching allocator (equal to allocated without one)
     - ``peak_bytes``: highest allocated bytes since the previous row
-    - ``parameters_bytes``: distinct storages of the model's parameters (tied weights once)
+    - ``parameters_bytes``: distinct storages of the model's parameters (tied weights once; a quantized weight's
+      scales and code tables too: bitsandbytes' 4-bit and 8-bit layers)
     - ``gradients_bytes``: storages of the parameters' ``.grad``
     - ``optimizer_state_bytes``: storages in the optimizers' ``state`` on this device
     - ``activations_bytes``: storages autograd saved for backward in this step and still alive (not parameters or
