@@ -29,6 +29,17 @@ def positive_int(text: str) -> int:
     return _checked(int, text, "an integer")
 
 
+def probability(text: str) -> float:
+    """A number from 0 (inclusive) to 1 (exclusive): a dropout probability."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"not a probability from 0 to below 1: {text!r}")
+    return value
+
+
 def add_max_bytes(parser: argparse.ArgumentParser) -> None:
     """``--max-bytes`` / ``--max-size``: the size limit per snapshot file."""
     parser.add_argument(

@@ -27,7 +27,7 @@ import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from lightning_memtrace.cli.args import bytes_arg, positive_int
+from lightning_memtrace.cli.args import bytes_arg, positive_int, probability
 from lightning_memtrace.cli.errors import PROG, Parser, describe, error_line, run_guarded
 from lightning_memtrace.types import Quantization, Task
 from lightning_memtrace.units import format_bytes
@@ -123,8 +123,20 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--lora",
         action="store_true",
-        help="train LoRA adapters (peft, r=16, on the attention projections; a task head in full), the base frozen "
-        "(needs peft)",
+        help="train LoRA adapters (peft; a task head in full), the base frozen (needs peft)",
+    )
+    parser.add_argument("--lora-rank", type=positive_int, default=None, help="--lora: the adapters' r (default 16)")
+    parser.add_argument(
+        "--lora-dropout",
+        type=probability,
+        default=None,
+        help="--lora: lora_dropout (default 0; above 0 each adapted layer keeps a dropped-out copy of its input)",
+    )
+    parser.add_argument(
+        "--lora-targets",
+        default=None,
+        help="--lora: the layers adapted: attention (the attention projections, default), all-linear (every linear "
+        "layer but the output and task heads, as peft's target_modules='all-linear'), or names (q_proj,v_proj)",
     )
     parser.add_argument(
         "--optimizer",
@@ -252,6 +264,8 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError("--devices, --remedies and --jobs go with --what-if")
     if args.ddp_buckets and args.fsdp > 1:
         raise ValueError("--ddp and --fsdp describe two different runs: give one of them")
+    if not args.lora and (args.lora_rank, args.lora_dropout, args.lora_targets) != (None, None, None):
+        raise ValueError("--lora-rank, --lora-dropout and --lora-targets go with --lora")
 
 
 def _compute(args: argparse.Namespace) -> tuple[Any, Any]:
@@ -265,7 +279,7 @@ def _compute(args: argparse.Namespace) -> tuple[Any, Any]:
         model = _meta_model(args)
 
         def run(batch_size: int) -> Any:
-            options = {name: getattr(args, name) for name in _ESTIMATE_OPTIONS}
+            options = _estimate_options(args)
             return estimate_from_config(args.config, batch_size, args.seq_len, model=model, **options)
 
         search = None
@@ -402,6 +416,20 @@ def _print_text(args: argparse.Namespace, shown: Any, search: Any, fits: bool | 
         print("estimate of allocated bytes")
 
 
+def _estimate_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The options :func:`~lightning_memtrace.estimator.estimate_from_config` takes, from ``args``; ``lora`` as a
+    :class:`~lightning_memtrace.estimator.remedies.LoraShape` (or False)."""
+    options = {name: getattr(args, name) for name in _ESTIMATE_OPTIONS}
+    if args.lora:
+        from lightning_memtrace.estimator.remedies import LORA_RANK, LoraShape
+
+        targets = args.lora_targets or "attention"
+        if targets not in ("attention", "all-linear"):
+            targets = tuple(name.strip() for name in targets.split(",") if name.strip())
+        options["lora"] = LoraShape(args.lora_rank or LORA_RANK, args.lora_dropout or 0.0, targets)
+    return options
+
+
 def _meta_model(args: argparse.Namespace) -> Any:
     from lightning_memtrace.estimator import AttentionUnavailableError, build_meta_model
 
@@ -438,7 +466,7 @@ def _run_what_if(args: argparse.Namespace) -> int:
             max_batch=args.find_max_batch,
             max_batch_size=args.max_batch_size,
             jobs=args.jobs or default_jobs(),
-            **{name: getattr(args, name) for name in _ESTIMATE_OPTIONS if name != "fsdp"},
+            **{name: value for name, value in _estimate_options(args).items() if name != "fsdp"},
         )
     shown = result.estimate
     fits = result.today_fits

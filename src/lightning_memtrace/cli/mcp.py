@@ -191,6 +191,9 @@ def estimate_argv(
     image_size: int | None = None,
     quantize: str | None = None,
     lora: bool = False,
+    lora_rank: int | None = None,
+    lora_dropout: float | None = None,
+    lora_targets: str | None = None,
 ) -> list[str]:
     """The ``memtrace`` arguments of an ``estimate`` tool call (without ``--json``)."""
     options = [
@@ -213,6 +216,9 @@ def estimate_argv(
         ("--image-size", image_size),
         ("--quantize", quantize),
         ("--lora", bool(lora)),
+        ("--lora-rank", lora_rank),
+        ("--lora-dropout", lora_dropout),
+        ("--lora-targets", lora_targets),
     ]
     return ["estimate", *_options(options)]
 
@@ -302,6 +308,9 @@ def build_server() -> Any:
         image_size: int | None = None,
         quantize: str | None = None,
         lora: bool = False,
+        lora_rank: int | None = None,
+        lora_dropout: float | None = None,
+        lora_targets: str | None = None,
     ) -> CallToolResult:
         """`memtrace estimate ... --json`: the memory of training a Hugging Face model, per phase and category,
         from its config (run on fake tensors: no GPU, no weights). config: a config.json or a folder holding one;
@@ -312,7 +321,8 @@ def build_server() -> Any:
         causal-lm (default), masked-lm, seq2seq-lm (target_len: its label tokens), sequence-classification,
         token-classification, question-answering, image-classification (image_size: an image's side; no seq_len) or
         speech-seq2seq (Whisper: audio features from its config, target_len label tokens; no seq_len); quantize:
-        nf4 (QLoRA's 4-bit base) or int8, as bitsandbytes loads it; lora: LoRA adapters, the base frozen."""
+        nf4 (QLoRA's 4-bit base) or int8, as bitsandbytes loads it; lora: LoRA adapters, the base frozen (lora_rank,
+        default 16; lora_dropout, default 0; lora_targets: attention (default), all-linear or layer names)."""
         argv = estimate_argv(
             config,
             seq_len,
@@ -333,6 +343,9 @@ def build_server() -> Any:
             image_size,
             quantize,
             lora,
+            lora_rank,
+            lora_dropout,
+            lora_targets,
         )
         return _result(argv)
 

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from lightning_memtrace.estimator.inputs import OptimizerName, Precision
+from lightning_memtrace.estimator.remedies import LoraShape
 from lightning_memtrace.estimator.result import Estimate
 from lightning_memtrace.estimator.run import estimate
 from lightning_memtrace.estimator.tasks import Task, prepare_config, task_batch, task_detail
@@ -205,7 +206,7 @@ def estimate_from_config(
     target_len: int | None = None,
     image_size: int | None = None,
     quantize: Quantization | str | None = None,
-    lora: bool = False,
+    lora: bool | LoraShape = False,
 ) -> Estimate:
     """Estimate a Hugging Face causal LM (or ``task``'s model) from its config alone (a dict, a ``config.json``, a
     folder or a hub id).
@@ -247,8 +248,9 @@ def estimate_from_config(
         quantize: Load the base quantized by bitsandbytes, as ``from_pretrained(..., quantization_config=...)``
             does: ``nf4`` (QLoRA's 4-bit base, double quantization, computing in the precision's half type) or
             ``int8`` (see :mod:`~lightning_memtrace.estimator.quantization`). Needs bitsandbytes.
-        lora: Train LoRA adapters (peft, r=16, on the attention projections; a task head in full), the base frozen,
-            as :func:`~lightning_memtrace.estimator.remedies.apply_lora` applies them (after quantizing). Needs peft.
+        lora: Train LoRA adapters (peft), the base frozen, as :func:`~lightning_memtrace.estimator.remedies.apply_lora`
+            applies them (after quantizing): True for r=16 without dropout on the attention projections (a task head
+            in full), or a :class:`~lightning_memtrace.estimator.remedies.LoraShape`. Needs peft.
     """
     name = OptimizerName(str(optimizer).lower())
     precision = Precision.parse(precision)
@@ -267,7 +269,7 @@ def estimate_from_config(
         if quantize:
             built = load_quantized(built, quantize, precision)
         if lora:
-            built = apply_lora(built)
+            built = apply_lora(built, lora if isinstance(lora, LoraShape) else None)
     batch = task_batch(task, getattr(built, "config", None), batch_size, seq_len, target_len, image_size)
 
     def factory(fake_model: nn.Module) -> torch.optim.Optimizer:

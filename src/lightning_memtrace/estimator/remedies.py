@@ -227,19 +227,85 @@ def adamw_8bit_measured() -> bool:
 
 
 # ------------------------------------------------------------------------------------------------ the model
-def lora_targets(model: nn.Module) -> list[str]:
-    """The names (last part) of the attention projections in ``model`` that LoRA adapts."""
+@dataclasses.dataclass(frozen=True)
+class LoraShape:
+    """LoRA as the estimate applies it (peft's ``LoraConfig``; alpha ``2·rank``, which costs no memory).
+
+    Attributes:
+        rank: ``r``.
+        dropout: ``lora_dropout``: above 0, each adapted layer keeps a dropped-out copy of its input (and the mask)
+            for the backward.
+        targets: ``"attention"`` (the attention projections), ``"all-linear"`` (every linear layer but the output
+            head and a task head, as peft's ``target_modules="all-linear"``), or the layers' names (their last part).
+    """
+
+    rank: int = LORA_RANK
+    dropout: float = 0.0
+    targets: str | tuple[str, ...] = "attention"
+
+
+def lora_targets(model: nn.Module, targets: str | tuple[str, ...] = "attention") -> list[str]:
+    """The layers of ``model`` that LoRA adapts (see :attr:`LoraShape.targets`): the names (last part) of its attention
+    projections, or of the layers named; for ``all-linear``, the qualified names of its linear layers but each Hugging
+    Face model's output head and a task head."""
+    if targets == "all-linear":
+        excluded = set(lora_heads(model)) | _output_heads(model)
+        return sorted(
+            name
+            for name, sub in model.named_modules()
+            if (isinstance(sub, nn.Linear) or type(sub).__name__ == "Conv1D") and name and name not in excluded
+        )
+    wanted = LORA_TARGETS if targets == "attention" else frozenset(targets)
     found = set()
     for name, sub in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
-        if leaf in LORA_TARGETS and hasattr(sub, "weight") and not list(sub.children()):
+        if leaf in wanted and hasattr(sub, "weight") and not list(sub.children()):
             found.add(leaf)
     return sorted(found)
+
+
+def _output_heads(model: nn.Module) -> set[str]:
+    """The qualified names of the output embeddings (``lm_head``) of the Hugging Face models in ``model``."""
+    heads = {id(out) for sub in model.modules() if (out := _output_embeddings(sub)) is not None}
+    return {name for name, sub in model.named_modules() if id(sub) in heads}
+
+
+def _output_embeddings(module: nn.Module) -> nn.Module | None:
+    get = getattr(module, "get_output_embeddings", None)
+    try:
+        return get() if callable(get) else None
+    except (AttributeError, NotImplementedError):
+        return None
 
 
 def has_lora_adapters(model: nn.Module) -> bool:
     """Whether ``model`` holds peft LoRA layers already (a run that fine-tunes with LoRA)."""
     return any(isinstance(getattr(sub, "lora_A", None), nn.ModuleDict) for sub in model.modules())
+
+
+def lora_description(model: nn.Module) -> str:
+    """``model``'s peft LoRA layers in words (``"LoRA r=16 on 8 layers (dropout 0.05), base frozen"``), read from the
+    layers themselves (so also on the estimate's fake copy); empty where it has none."""
+    ranks: set[int] = set()
+    dropouts: set[float] = set()
+    layers = 0
+    for sub in model.modules():
+        adapters = getattr(sub, "lora_A", None)
+        if not isinstance(adapters, nn.ModuleDict) or not adapters:
+            continue
+        layers += 1
+        for name, down in adapters.items():
+            ranks.add(int(getattr(down, "out_features", 0) or down.weight.shape[0]))
+            dropout_layers = getattr(sub, "lora_dropout", None)
+            in_layers = isinstance(dropout_layers, nn.ModuleDict) and name in dropout_layers
+            dropout = dropout_layers[name] if in_layers else None
+            dropouts.add(float(getattr(dropout, "p", 0.0)))
+    if not layers:
+        return ""
+    text = f"LoRA r={'/'.join(map(str, sorted(ranks)))} on {layers} layers"
+    if any(dropouts):
+        text += f" (dropout {'/'.join(f'{p:g}' for p in sorted(dropouts))})"
+    return text + ", base frozen"
 
 
 def lora_heads(model: nn.Module) -> list[str]:
@@ -256,23 +322,32 @@ def lora_heads(model: nn.Module) -> list[str]:
     return heads
 
 
-def apply_lora(model: nn.Module, rank: int = LORA_RANK) -> nn.Module:
-    """PEFT LoRA (rank ``rank``, alpha ``2·rank``) on the attention projections, in place; the base frozen but for the
-    task heads (:func:`lora_heads`), which peft trains as a copy beside the frozen original (``modules_to_save``).
+def apply_lora(model: nn.Module, shape: LoraShape | None = None) -> nn.Module:
+    """PEFT LoRA of ``shape`` (default: rank 16, no dropout, the attention projections), in place; the base frozen but
+    for the task heads (:func:`lora_heads`), which peft trains as a copy beside the frozen original
+    (``modules_to_save``).
 
     Raises:
         ModuleNotFoundError: peft is not installed.
-        ValueError: no attention projection in the model.
+        ValueError: no layer to adapt in the model.
     """
     from peft import LoraConfig, inject_adapter_in_model
 
-    targets = lora_targets(model)
+    shape = shape or LoraShape()
+    targets = lora_targets(model, shape.targets)
     if not targets:
-        raise ValueError(f"no attention projection ({', '.join(sorted(LORA_TARGETS))}) in {type(model).__name__}")
+        if shape.targets == "attention":
+            raise ValueError(f"no attention projection ({', '.join(sorted(LORA_TARGETS))}) in {type(model).__name__}")
+        wanted = shape.targets if isinstance(shape.targets, str) else ", ".join(shape.targets)
+        raise ValueError(f"no layer to adapt ({wanted}) in {type(model).__name__}")
     for param in model.parameters():
         param.requires_grad_(False)
     config = LoraConfig(
-        r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=targets, modules_to_save=lora_heads(model) or None
+        r=shape.rank,
+        lora_alpha=2 * shape.rank,
+        lora_dropout=shape.dropout,
+        target_modules=targets,
+        modules_to_save=lora_heads(model) or None,
     )
     return inject_adapter_in_model(config, model)
 

@@ -57,7 +57,8 @@ class Estimate:
             :mod:`~lightning_memtrace.estimator.tasks`); empty otherwise.
         quantization: The model's quantized weights in words (``4-bit nf4 weights in 14 layers (bitsandbytes)``:
             QLoRA's base; see :mod:`~lightning_memtrace.estimator.quantization`); empty where none is.
-        lora: The model trains LoRA adapters (peft), its base frozen.
+        lora: The model's LoRA adapters (peft) in words (``LoRA r=16 on 8 layers, base frozen``); empty where it has
+            none.
         allocator_log: For a CUDA target, the requests and frees the caching allocator's model served and its
             settings (see :meth:`allocator_fits`): the rows' ``allocated_bytes`` and ``peak_bytes`` are then the
             allocator's blocks and ``reserved_bytes`` its segments. None for a CPU target (reserved equals allocated).
@@ -86,7 +87,7 @@ class Estimate:
     allocator_log: AllocatorLog | None = dataclasses.field(default=None, compare=False)
     task: str = ""
     quantization: str = ""
-    lora: bool = False
+    lora: str = ""
 
     def __repr__(self) -> str:
         """One line, as :meth:`describe` with the peak (the rows are in ``records``, the table in :meth:`table`)."""
@@ -320,7 +321,7 @@ class Estimate:
         if self.quantization:
             parts.append(self.quantization)
         if self.lora:
-            parts.append("LoRA adapters (base frozen)")
+            parts.append(self.lora)
         if self.batch_size is not None:
             parts.append(f"batch {self.batch_size}" + (f" x {self.seq_len} tokens" if self.seq_len else ""))
         if self.accumulate_grad_batches > 1:

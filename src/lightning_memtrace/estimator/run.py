@@ -50,7 +50,7 @@ from lightning_memtrace.estimator.layer_drop import no_layer_dropped
 from lightning_memtrace.estimator.loop import run_steps
 from lightning_memtrace.estimator.manual import configured
 from lightning_memtrace.estimator.quantization import quantized_layers
-from lightning_memtrace.estimator.remedies import has_lora_adapters
+from lightning_memtrace.estimator.remedies import lora_description
 from lightning_memtrace.estimator.result import Estimate
 from lightning_memtrace.estimator.tensor_values import FiniteCheckNeeded, values_answered
 from lightning_memtrace.estimator.sharded import (
@@ -292,7 +292,7 @@ def _estimate(
         accumulate_grad_batches=accumulate,
         gradient_checkpointing=bool(gradient_checkpointing or _checkpointing_on(model)),
         quantization=quantized_layers(model),
-        lora=has_lora_adapters(model),
+        lora=lora_description(model),
         seconds=time.perf_counter() - started,
         attention=attention_label(attn_implementation(model), kernels, emulate_cuda),
         compiled=compiled,

@@ -67,6 +67,8 @@ class Setup:
     checkpointing_line: str | None = None
     #: The snippet's line that applies LoRA as the estimate does, with the model's own projections and heads.
     lora_line: str | None = None
+    #: The LoRA that the ``lora`` and ``qlora`` remedies (and a setup with LoRA) apply.
+    lora_shape: rm.LoraShape = rm.LoraShape()
 
     def run(self, settings: Settings) -> Estimate:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -89,14 +91,18 @@ def _block_bytes(model: nn.Module, precision: str) -> int:
     return max(sizes, default=0)
 
 
-def lora_line(model: nn.Module) -> str | None:
+def lora_line(model: nn.Module, shape: rm.LoraShape | None = None) -> str | None:
     """peft's call that applies LoRA as :func:`~lightning_memtrace.estimator.remedies.apply_lora` does: the model's
-    attention projections, and its task heads trained in full; None for a model without attention projections."""
-    targets = rm.lora_targets(model)
+    layers that ``shape`` targets, and its task heads trained in full; None for a model without them."""
+    shape = shape or rm.LoraShape()
+    targets = rm.lora_targets(model, shape.targets)
     if not targets:
         return None
     heads = rm.lora_heads(model)
-    options = [f"r={rm.LORA_RANK}", f"lora_alpha={2 * rm.LORA_RANK}", f"target_modules={targets!r}"]
+    named = "all-linear" if shape.targets == "all-linear" else targets
+    options = [f"r={shape.rank}", f"lora_alpha={2 * shape.rank}", f"target_modules={named!r}"]
+    if shape.dropout:
+        options.append(f"lora_dropout={shape.dropout:g}")
     if heads:
         options.append(f"modules_to_save={heads!r}")
     return (
@@ -214,14 +220,21 @@ class ConfigSetup(Setup):
     :func:`~lightning_memtrace.estimator.estimate_from_config` takes it."""
 
     def __init__(
-        self, config: Any, seq_len: int | None, settings: Settings, model: nn.Module | None = None, **options: Any
+        self,
+        config: Any,
+        seq_len: int | None,
+        settings: Settings,
+        model: nn.Module | None = None,
+        lora_shape: rm.LoraShape | None = None,
+        **options: Any,
     ):
         from lightning_memtrace.estimator.config import build_meta_model
 
         self.config, self.seq_len, self.settings = config, None if seq_len is None else int(seq_len), settings
         self.model = model if model is not None else build_meta_model(config, task=options.get("task", "causal-lm"))
+        self.lora_shape = lora_shape or rm.LoraShape()
         self.checkpointing_line = checkpointing_line(self.model)
-        self.lora_line = lora_line(self.model)
+        self.lora_line = lora_line(self.model, self.lora_shape)
         self.options = options  # optimizer, device, lr, steps, task, target_len, image_size
 
     def _base_factory(self, model: nn.Module) -> Any:
@@ -247,7 +260,7 @@ class ConfigSetup(Setup):
             accumulate_grad_batches=settings.accumulate_grad_batches,
             model=self.model,
             quantize=settings.quantize,
-            lora=settings.lora,  # after quantizing, as a user applies it
+            lora=self.lora_shape if settings.lora else False,  # after quantizing, as a user applies it
             optimizer_factory=rm.optimizer_factory_for(settings, self._base_factory) if changed else None,
             prepare=rm.prepare_for(settings),
             fsdp=settings.world_size,
@@ -773,7 +786,7 @@ def what_if_from_config(
     target_len: int | None = None,
     image_size: int | None = None,
     quantize: str | None = None,
-    lora: bool = False,
+    lora: bool | rm.LoraShape = False,
 ) -> WhatIf:
     """What would fit, for a Hugging Face causal LM (or ``task``'s model) from its config (as
     :func:`~lightning_memtrace.estimator.estimate_from_config` takes it); see :func:`what_if_result` (and
@@ -789,8 +802,8 @@ def what_if_from_config(
         quantize=quantize,
     )
     setup = ConfigSetup(
-        config, seq_len, settings, model, optimizer=optimizer, device=device, steps=steps, task=task,
-        target_len=target_len, image_size=image_size,
+        config, seq_len, settings, model, lora if isinstance(lora, rm.LoraShape) else None, optimizer=optimizer,
+        device=device, steps=steps, task=task, target_len=target_len, image_size=image_size,
     )
     return what_if_for_setup(
         setup,
