@@ -1,10 +1,12 @@
-"""A model built from its config, loaded quantized as
-``from_pretrained(..., quantization_config=BitsAndBytesConfig(...))`` loads it (QLoRA's 4-bit base, LLM.int8's
-8-bit one), on the meta device: no weights, no memory.
+"""Models loaded quantized as ``from_pretrained(..., quantization_config=BitsAndBytesConfig(...))`` loads them
+(QLoRA's 4-bit base, LLM.int8's 8-bit one): a model built from its config on the meta device (no weights, no
+memory: ``memtrace estimate --quantize``), or a real module's models from their weights (the what-if's ``qlora``
+applied for real).
 
 transformers' own bitsandbytes quantizer picks the layers and replaces them (every ``nn.Linear`` but the output head,
-tied weights and the model's ``_keep_in_fp32_modules``), and bitsandbytes quantizes each meta weight with its own
-functions (their meta kernels): the packed weights and their scales have the shapes and dtypes a real load gives.
+tied weights and the model's ``_keep_in_fp32_modules``), and bitsandbytes quantizes each weight with its own
+functions (on the meta device, their meta kernels): the packed weights and their scales have the shapes and dtypes a
+real load gives.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def bitsandbytes_config(quantization: Quantization, precision: Precision) -> obj
 
 
 def config_line(quantization: Quantization, precision: Precision) -> str:
-    """How a user loads the model so (the estimate's first line, the snippet)."""
+    """How a user loads the model so, as code (the what-if's snippet)."""
     if quantization is Quantization.INT8:
         return "BitsAndBytesConfig(load_in_8bit=True)"
     dtype = str(compute_dtype(precision)).removeprefix("torch.")
