@@ -237,3 +237,19 @@ def test_what_a_module_has_already_is_not_offered_again():
     trainable = sum(p.nbytes for p in module.parameters() if p.requires_grad)
     assert result.estimate.category_bytes()[Category.GRADIENTS] == trainable
     assert result.estimate.peak_bytes == estimate(module, batch, device="cpu").peak_bytes
+
+
+def test_lora_adapts_t5s_attention_as_peft_does(tmp_path):
+    """T5 names its attention projections ``q``, ``k``, ``v``, ``o``: ``estimate_from_config(lora=True)`` adapts
+    those 24 layers (self-attention in both stacks, cross-attention in the decoder), against a real run of peft's
+    ``LoraConfig(target_modules=["k", "o", "q", "v"])``: categories exact, peaks within 3%. LoRA found no attention
+    projection in T5 and was skipped."""
+    pytest.importorskip("peft")
+    import peft
+
+    est = estimate_from_config(T5, BATCH, SEQ, device="cpu", task="seq2seq-lm", target_len=16, steps=3, lora=True)
+    assert est.lora == "LoRA r=16 on 24 layers, base frozen"
+    module = TaskModule("seq2seq-lm", T5, target_len=16)
+    lora = peft.LoraConfig(task_type="SEQ_2_SEQ_LM", r=16, lora_alpha=32, target_modules=["k", "o", "q", "v"])
+    module.model = peft.get_peft_model(module.model, lora)
+    check_against_real(est, real_run(tmp_path, module, allocation_backend="auto"))

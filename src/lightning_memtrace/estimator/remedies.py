@@ -79,6 +79,7 @@ PRECISION_REMEDIES = {Remedy.BF16_MIXED: "bf16-mixed", Remedy.FP16_MIXED: "16-mi
 LORA_RANK = 16
 LORA_TARGETS = frozenset(
     {"q_proj", "k_proj", "v_proj", "o_proj", "c_attn", "query_key_value", "qkv_proj", "Wqkv", "query", "key", "value"}
+    | {"q", "k", "v", "o"}  # T5's
 )
 #: The task heads trained in full beside LoRA's adapters, by the end of the model class's name: peft's
 #: ``modules_to_save`` for its task types ``SEQ_CLS``, ``TOKEN_CLS`` and ``QUESTION_ANS`` (a head left frozen would
