@@ -24,29 +24,44 @@ def compute_dtype(precision: Precision) -> torch.dtype:
     return precision.autocast_dtype or precision.param_dtype or torch.float32
 
 
-def bitsandbytes_config(quantization: Quantization, precision: Precision) -> object:
-    """The ``transformers.BitsAndBytesConfig`` of ``quantization`` (4-bit: nf4 with double quantization, QLoRA's)."""
+def bitsandbytes_config(quantization: Quantization, precision: Precision, skip: list[str] | None = None) -> object:
+    """The ``transformers.BitsAndBytesConfig`` of ``quantization`` (4-bit: nf4 with double quantization, QLoRA's);
+    ``skip``: ``llm_int8_skip_modules``, the layers left unquantized (in place of transformers' default ones)."""
     import transformers
 
     if quantization is Quantization.INT8:
-        return transformers.BitsAndBytesConfig(load_in_8bit=True)
+        return transformers.BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip)
     return transformers.BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type="nf4",
         bnb_4bit_use_double_quant=True,
         bnb_4bit_compute_dtype=compute_dtype(precision),
+        llm_int8_skip_modules=skip,
     )
 
 
-def config_line(quantization: Quantization, precision: Precision) -> str:
-    """How a user loads the model so, as code (the what-if's snippet)."""
-    if quantization is Quantization.INT8:
-        return "BitsAndBytesConfig(load_in_8bit=True)"
-    dtype = str(compute_dtype(precision)).removeprefix("torch.")
-    return (
-        'BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, '
-        f"bnb_4bit_compute_dtype=torch.{dtype})"
-    )
+def config_line(quantization: Quantization, precision: Precision, model: nn.Module | None = None) -> str:
+    """How a user loads the model so, as code (the what-if's snippet); with ``model``, its task heads left
+    unquantized (:func:`task_heads_kept`)."""
+    options = ["load_in_8bit=True"]
+    if quantization is not Quantization.INT8:
+        dtype = str(compute_dtype(precision)).removeprefix("torch.")
+        options = ["load_in_4bit=True", 'bnb_4bit_quant_type="nf4"', "bnb_4bit_use_double_quant=True",
+                   f"bnb_4bit_compute_dtype=torch.{dtype}"]  # fmt: skip
+    heads = task_heads_kept(model) if model is not None else []
+    if heads:
+        options.append(f"llm_int8_skip_modules={heads!r}".replace("'", '"'))
+    return f"BitsAndBytesConfig({', '.join(options)})"
+
+
+def task_heads_kept(model: nn.Module) -> list[str]:
+    """The task heads of ``model``'s Hugging Face models (a classifier's; see
+    :func:`~lightning_memtrace.estimator.remedies.lora_heads`), by their names in their model: left unquantized, as
+    LoRA trains them in full (a quantized head cannot be trained, and transformers' default skips only the last
+    parameter's layer, which misses a head with a bias)."""
+    from lightning_memtrace.estimator.remedies import lora_heads
+
+    return sorted({name for hf in _hugging_face_models(model) for name in lora_heads(hf)})
 
 
 def load_quantized(model: nn.Module, quantization: Quantization | str, precision: Precision) -> nn.Module:
@@ -95,12 +110,16 @@ def _load(model: nn.Module, quantization: Quantization, precision: Precision, bn
     """Quantize one Hugging Face model in place (see :func:`load_quantized`); the number of layers quantized."""
     from transformers.quantizers.auto import AutoHfQuantizer
 
+    from transformers.quantizers.base import get_keys_to_not_convert
+
     before = {
         name: (sub._parameters.get("weight"), sub._parameters.get("bias"))
         for name, sub in model.named_modules()
         if sub._parameters.get("weight") is not None
     }
-    quantizer = AutoHfQuantizer.from_config(bitsandbytes_config(quantization, precision), pre_quantized=False)
+    heads = task_heads_kept(model)
+    skip = sorted(set(get_keys_to_not_convert(model)) | set(heads)) if heads else None
+    quantizer = AutoHfQuantizer.from_config(bitsandbytes_config(quantization, precision, skip), pre_quantized=False)
     quantizer.preprocess_model(model, device_map={"": "meta"})
     quantized = 0
     for name, layer in model.named_modules():

@@ -69,6 +69,8 @@ class Setup:
     lora_line: str | None = None
     #: The LoRA that the ``lora`` and ``qlora`` remedies (and a setup with LoRA) apply.
     lora_shape: rm.LoraShape = rm.LoraShape()
+    #: The module or model the remedies change (the snippet reads its layers' names).
+    base_model: nn.Module | None = None
 
     def run(self, settings: Settings) -> Estimate:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -171,6 +173,7 @@ class ModuleSetup(Setup):
         self.lightning = _is_lightning_module(module)
         self.checkpointing_line = checkpointing_line(module)
         self.lora_line = lora_line(module)
+        self.base_model = module
 
     def _base_factory(self, model: nn.Module) -> Any:
         if self.optimizer_factory is not None:
@@ -235,6 +238,7 @@ class ConfigSetup(Setup):
         self.lora_shape = lora_shape or rm.LoraShape()
         self.checkpointing_line = checkpointing_line(self.model)
         self.lora_line = lora_line(self.model, self.lora_shape)
+        self.base_model = self.model
         self.options = options  # optimizer, device, lr, steps, task, target_len, image_size
 
     def _base_factory(self, model: nn.Module) -> Any:
@@ -857,10 +861,9 @@ def _strategy(picked: Sequence[Remedy], devices: int) -> list[str]:
 def _module_lines(setup: Setup, picked: Sequence[Remedy]) -> list[str]:
     lines = []
     if Remedy.QLORA in picked:
-        lines.append(
-            "model = AutoModelFor...from_pretrained(..., quantization_config="
-            f"{config_line(Quantization.NF4, Precision.parse(setup.settings.with_remedies(picked).precision))})"
-        )
+        precision = Precision.parse(setup.settings.with_remedies(picked).precision)
+        loading = config_line(Quantization.NF4, precision, setup.base_model)
+        lines.append(f"model = AutoModelFor...from_pretrained(..., quantization_config={loading})")
     if Remedy.LORA in picked or Remedy.QLORA in picked:
         lines.append(
             setup.lora_line
