@@ -266,3 +266,37 @@ def test_a_classifier_head_is_left_unquantized_for_lora_to_train(tmp_path):
                            target_modules=lora_targets(module))  # fmt: skip
     module.model = peft.get_peft_model(module.model, lora)
     check_against_real(est, real_run(tmp_path / "run", module, allocation_backend="auto"))
+
+
+def test_without_bitsandbytes_or_peft_the_command_says_what_to_install(tmp_path, capsys, monkeypatch):
+    """``--quantize`` without bitsandbytes and ``--lora`` without peft: one line naming the package and the extra."""
+    import builtins
+    import json
+
+    from lightning_memtrace.cli.estimate import main
+    from lightning_memtrace.estimator import remedies
+
+    def missing(*args, **kwargs):
+        raise ModuleNotFoundError("No module named 'bitsandbytes'")
+
+    monkeypatch.setattr(remedies, "import_bitsandbytes", missing)
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(QWEN2))
+    argv = ["--config", str(config), "--batch-size", "2", "--seq-len", "32", "--device", "cpu"]
+    assert main([*argv, "--quantize", "nf4"]) == 2
+    assert capsys.readouterr().err == (
+        "memtrace: error: a quantized model needs bitsandbytes (pip install 'lightning-memtrace[whatif]'): "
+        "No module named 'bitsandbytes'\n"
+    )
+    real_import = builtins.__import__
+
+    def no_peft(name, *args, **kwargs):
+        if name == "peft" or name.startswith("peft."):
+            raise ModuleNotFoundError("No module named 'peft'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_peft)
+    assert main([*argv, "--lora"]) == 2
+    assert capsys.readouterr().err == (
+        "memtrace: error: LoRA needs peft (pip install 'lightning-memtrace[whatif]'): No module named 'peft'\n"
+    )

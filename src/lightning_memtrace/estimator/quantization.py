@@ -18,6 +18,10 @@ from lightning_memtrace.estimator.inputs import Precision
 from lightning_memtrace.types import Quantization
 
 
+#: How to install what a quantized model or LoRA needs.
+NEEDS_WHATIF = "pip install 'lightning-memtrace[whatif]'"
+
+
 def compute_dtype(precision: Precision) -> torch.dtype:
     """The dtype the quantized layers compute in: the precision's half type (QLoRA's ``bnb_4bit_compute_dtype``),
     else float32 (``BitsAndBytesConfig``'s default)."""
@@ -75,7 +79,10 @@ def load_quantized(model: nn.Module, quantization: Quantization | str, precision
     """
     from lightning_memtrace.estimator.remedies import import_bitsandbytes
 
-    bnb = import_bitsandbytes()
+    try:
+        bnb = import_bitsandbytes()
+    except ModuleNotFoundError as error:
+        raise ModuleNotFoundError(f"a quantized model needs bitsandbytes ({NEEDS_WHATIF}): {error}") from None
     quantization = Quantization(quantization)
     models = _hugging_face_models(model)
     if not models:

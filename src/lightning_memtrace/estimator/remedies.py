@@ -332,7 +332,10 @@ def apply_lora(model: nn.Module, shape: LoraShape | None = None) -> nn.Module:
         ModuleNotFoundError: peft is not installed.
         ValueError: no layer to adapt in the model.
     """
-    from peft import LoraConfig, inject_adapter_in_model
+    try:
+        from peft import LoraConfig, inject_adapter_in_model
+    except ModuleNotFoundError as error:
+        raise ModuleNotFoundError(f"LoRA needs peft (pip install 'lightning-memtrace[whatif]'): {error}") from None
 
     shape = shape or LoraShape()
     targets = lora_targets(model, shape.targets)
