@@ -63,6 +63,10 @@ def test_tool_arguments_become_the_command_line() -> None:
     assert cli_mcp.estimate_argv("v.json", batch_size=4, task="image-classification", image_size=64) == [
         "estimate", "--config=v.json", "--batch-size=4", "--task=image-classification", "--image-size=64"
     ]  # fmt: skip
+    argv = cli_mcp.estimate_argv("c.json", 32, batch_size=2, quantize="nf4", lora=True, lora_rank=8,
+                                 lora_dropout=0.05, lora_targets="all-linear")  # fmt: skip
+    assert argv == ["estimate", "--config=c.json", "--seq-len=32", "--batch-size=2", "--quantize=nf4", "--lora",
+                    "--lora-rank=8", "--lora-dropout=0.05", "--lora-targets=all-linear"]  # fmt: skip
 
 
 # --- through the MCP SDK ------------------------------------------------------------------------------------------
@@ -114,7 +118,8 @@ def test_tools_listed(mcp_client: Any) -> None:
     assert tools["summary"].input_schema["required"] == ["path"]
     assert set(tools["diff"].input_schema["required"]) == {"base", "other"}
     assert {"config", "batch_size", "seq_len", "precision", "device", "optimizer", "gradient_checkpointing", "fsdp",
-            "device_memory", "ddp", "task", "target_len", "image_size"} <= set(
+            "device_memory", "ddp", "task", "target_len", "image_size", "quantize", "lora", "lora_rank",
+            "lora_dropout", "lora_targets"} <= set(
         tools["estimate"].input_schema["properties"]
     )  # fmt: skip
     assert tools["estimate"].input_schema["required"] == ["config"]  # seq_len: not for an image task
