@@ -18,7 +18,6 @@ from lightning_memtrace.capture.storages import (
     layout_parts,
     memory_tensors,
     optimizer_state_tensors,
-    quantized,
     same_device,
     storage_key,
     storage_of,
@@ -245,7 +244,7 @@ class CategoryCounter:
                     seen.add(id(tensor))
                     params.append(tensor)
             # a quantized weight's scales and code tables are part of it (bitsandbytes' 4-bit and 8-bit weights)
-            for tensor in list(weight_state_tensors(params, self.model)) if quantized(params) else ():
+            for tensor in list(weight_state_tensors(params, self.model)):
                 if id(tensor) not in seen:
                     seen.add(id(tensor))
                     params.append(tensor)

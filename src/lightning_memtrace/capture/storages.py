@@ -117,11 +117,14 @@ def weight_state_tensors(params: Iterable[Tensor], model: torch.nn.Module | None
     ``compress_statistics``, and the code tables; 8-bit ``Int8Params``: ``CB``, ``SCB``) and in the helper objects of
     the layer that holds it (``Linear8bitLt.state``, where the 8-bit weight's scales move at its first forward).
     Objects from outside torch are entered (three deep); modules, torch's own objects and private attributes are not.
-    Nothing for plain parameters."""
+    Nothing for plain parameters (checked first, at the cost of one set of their types)."""
+    params = list(params)
+    if not quantized(params):
+        return
     holders = [param for param in params if is_quantized_weight(param)]
     for param in holders:
         yield from _object_state_tensors(getattr(param, "__dict__", {}), 0, top_tensors=True)
-    if model is None or not holders:
+    if model is None:
         return
     for sub in model.modules():
         if any(is_quantized_weight(p) for p in sub._parameters.values() if p is not None):

@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from lightning_memtrace.capture.storages import quantized, weight_state_tensors
+from lightning_memtrace.capture.storages import weight_state_tensors
 from lightning_memtrace.estimator.inputs import OptimizerName
 
 _ADAM_LIKE = ("Adam", "AdamW", "NAdam", "RAdam", "Adamax")
@@ -64,10 +64,9 @@ def closed_form(model: nn.Module, optimizer: Any = None, steps_on_device: bool =
     count = sum(p.numel() for p, _ in storages.values())
     trainable = sum(p.numel() for p, grad in storages.values() if grad)
     param_bytes = sum(p.numel() * p.element_size() for p, _ in storages.values())
-    params = list(model.parameters())
-    if quantized(params):  # a quantized weight's scales and code tables, stored beside it (bitsandbytes)
-        scales = {t.untyped_storage()._cdata: t for t in weight_state_tensors(params, model)}
-        param_bytes += sum(t.untyped_storage().nbytes() for key, t in scales.items() if key not in storages)
+    # a quantized weight's scales and code tables, stored beside it (bitsandbytes)
+    scales = {t.untyped_storage()._cdata: t for t in weight_state_tensors(model.parameters(), model)}
+    param_bytes += sum(t.untyped_storage().nbytes() for key, t in scales.items() if key not in storages)
     grad_bytes = sum(p.numel() * p.element_size() for p, grad in storages.values() if grad)
     trainable_tensors = sum(1 for _, grad in storages.values() if grad)
     if isinstance(optimizer, (list, tuple)):  # several (manual optimization): each over its own parameters

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from lightning_memtrace.estimator.inputs import OptimizerName, Precision
-from lightning_memtrace.estimator.remedies import LoraShape
+from lightning_memtrace.estimator.remedies import LoraShape, Settings, module_for
 from lightning_memtrace.estimator.result import Estimate
 from lightning_memtrace.estimator.run import estimate
 from lightning_memtrace.estimator.tasks import Task, prepare_config, task_batch, task_detail
@@ -262,14 +262,9 @@ def estimate_from_config(
             "on one device"
         )
     if quantize or lora:
-        from lightning_memtrace.estimator.quantization import load_quantized
-        from lightning_memtrace.estimator.remedies import apply_lora, meta_copy
-
-        built = meta_copy(built) if built is model else built  # the caller's model is reused as it is
-        if quantize:
-            built = load_quantized(built, quantize, precision)
-        if lora:
-            built = apply_lora(built, lora if isinstance(lora, LoraShape) else None)
+        adds = Settings(precision=precision.value, quantize=quantize and Quantization(quantize).value, lora=bool(lora))
+        shape = lora if isinstance(lora, LoraShape) else None
+        built = module_for(built, adds, shape, copy=built is model)  # the caller's model is reused as it is
     batch = task_batch(task, getattr(built, "config", None), batch_size, seq_len, target_len, image_size)
 
     def factory(fake_model: nn.Module) -> torch.optim.Optimizer:

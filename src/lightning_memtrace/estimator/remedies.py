@@ -413,16 +413,19 @@ def meta_copy(module: nn.Module) -> nn.Module:
     return _deep_copy(module, memo)
 
 
-def module_for(module: nn.Module, settings: Settings) -> nn.Module:
-    """The module the estimate copies for ``settings``: ``module`` itself, or a meta copy loaded quantized and with
-    LoRA applied, in that order, as a user does (new parameters must exist before the copy onto fake tensors, which
-    then casts them with the rest)."""
+def module_for(
+    module: nn.Module, settings: Settings, shape: LoraShape | None = None, copy: bool = True
+) -> nn.Module:
+    """The module the estimate copies for ``settings``: ``module`` itself, or a meta copy (``module`` itself, changed,
+    where ``copy`` is False: a model built for this estimate alone) loaded quantized and with LoRA of ``shape``
+    applied, in that order, as a user does (new parameters must exist before the copy onto fake tensors, which then
+    casts them with the rest)."""
     if not (settings.lora or settings.quantize):
         return module
-    copied = meta_copy(module)
+    changed = meta_copy(module) if copy else module
     if settings.quantize:
-        _load_quantized(copied, settings)
-    return apply_lora(copied) if settings.lora else copied
+        _load_quantized(changed, settings)
+    return apply_lora(changed, shape) if settings.lora else changed
 
 
 def _load_quantized(module: nn.Module, settings: Settings) -> None:

@@ -561,8 +561,12 @@ def _rows(
     """The rows of the remedies that apply, why the others were skipped, and those the deadline left out."""
     rows: list[WhatIfRow] = []
     skipped: dict[str, str] = {}
+
+    def why_not(remedy: Remedy) -> str | None:
+        return _applicable(remedy, engine.setup, engine.devices, explicit) or _optimizer_already(remedy, today)
+
     for index, remedy in enumerate(remedies):
-        reason = _applicable(remedy, engine.setup, engine.devices, explicit) or _optimizer_already(remedy, today)
+        reason = why_not(remedy)
         if reason is not None:
             skipped[remedy.value] = reason
             continue
@@ -573,7 +577,7 @@ def _rows(
         except OutOfTime:
             late: list[str] = []
             for rest in remedies[index:]:
-                why = _applicable(rest, engine.setup, engine.devices, explicit) or _optimizer_already(rest, today)
+                why = why_not(rest)
                 if why is None:
                     late.append(rest.value)
                 else:
@@ -795,7 +799,6 @@ def what_if_from_config(
     """What would fit, for a Hugging Face causal LM (or ``task``'s model) from its config (as
     :func:`~lightning_memtrace.estimator.estimate_from_config` takes it); see :func:`what_if_result` (and
     :func:`what_if_for_setup` for ``jobs``)."""
-
     settings = Settings(
         precision=Precision.parse(precision).value,
         batch_size=int(batch_size),
@@ -864,12 +867,8 @@ def _module_lines(setup: Setup, picked: Sequence[Remedy]) -> list[str]:
         precision = Precision.parse(setup.settings.with_remedies(picked).precision)
         loading = config_line(Quantization.NF4, precision, setup.base_model)
         lines.append(f"model = AutoModelFor...from_pretrained(..., quantization_config={loading})")
-    if Remedy.LORA in picked or Remedy.QLORA in picked:
-        lines.append(
-            setup.lora_line
-            or f"model = peft.inject_adapter_in_model(LoraConfig(r={rm.LORA_RANK}, lora_alpha={2 * rm.LORA_RANK}, "
-            "target_modules=[...attention projections]), model)  # base frozen; or remedies.apply_lora(model)"
-        )
+    if (Remedy.LORA in picked or Remedy.QLORA in picked) and setup.lora_line:  # none where LoRA found no layer
+        lines.append(setup.lora_line)
     if Remedy.GRADIENT_CHECKPOINTING in picked:
         lines.append(
             setup.checkpointing_line
