@@ -12,8 +12,11 @@ import sys
 import warnings
 from pathlib import Path
 
+import pandas as pd
+import pytest
 import torch
 import yaml
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_memtrace import MemTrace, MemTraceWarning, load_phases
 from lightning_memtrace.capture import recorder as recorder_module
@@ -85,6 +88,93 @@ def test_tracker_handler_is_never_compiled_by_dynamo(tmp_path):
     # under the tracker the compiled part runs eagerly, and MemTrace's own frames were not handed to dynamo
     assert all("lightning_memtrace" not in str(gm.code) for gm in graphs)
     assert len(load_phases(callback.output_dir)) == 10
+
+
+def _fullgraph_loss_mlp():
+    """The MLP with its loss computed by a ``fullgraph=True`` compiled function (as torchao's low-bit optimizers
+    compile their step), through a backend that counts the graphs it is handed (dynamo reset first)."""
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    @torch.compile(fullgraph=True, backend=counting_backend)
+    def loss_of(out, y):
+        return ((out - y) ** 2).mean()
+
+    class FullgraphLoss(MLP):
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return loss_of(self(x), y)
+
+    torch._dynamo.reset()
+    return FullgraphLoss, graphs
+
+
+_COMPILES_UNDER_MODES = hasattr(TorchDispatchMode, "ignore_compile_internals")  # torch 2.9 and later
+
+
+@pytest.mark.skipif(not _COMPILES_UNDER_MODES, reason="torch before 2.9 compiles nothing under a dispatch mode")
+def test_a_fullgraph_compiled_function_trains_through_the_history_window(tmp_path):
+    FullgraphLoss, graphs = _fullgraph_loss_mlp()
+    callback = MemTrace()
+    module = FullgraphLoss()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(tmp_path, [callback], max_steps=4).fit(module)
+    assert [str(w.message) for w in caught if "MemTrace" in str(w.message)] == []
+    assert callback.tracker_backend == "reports"
+    # compiled once and run compiled on every step, the window's (1 and 2) included
+    assert len(graphs) == 1
+    assert [path.name for path in callback.files] == ["snapshot_rank0_steps1-2.pickle"]
+    phases = load_phases(callback.output_dir)
+    assert len(phases) == 20
+    pbytes = unique_storage_bytes(module.parameters())
+    assert (phases.parameters_bytes == pbytes).all()
+    n = len(list(module.parameters()))
+    assert phases[phases.phase == "after_optimizer_step"].optimizer_state_bytes.tolist() == [2 * pbytes + 4 * n] * 4
+
+
+@pytest.mark.skipif(not _COMPILES_UNDER_MODES, reason="torch before 2.9 compiles nothing under a dispatch mode")
+def test_a_fullgraph_compiled_function_trains_under_the_counting_dispatch_mode(tmp_path):
+    FullgraphLoss, graphs = _fullgraph_loss_mlp()
+    callback = MemTrace(allocation_backend="dispatch")
+    module = FullgraphLoss()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(tmp_path, [callback], max_steps=3).fit(module)
+    said = [str(w.message) for w in caught if "MemTrace" in str(w.message)]
+    assert len(said) == 1 and "compiled while the CPU allocation tracker" in said[0] and "not counted" in said[0]
+    assert callback.tracker_backend == "dispatch"
+    assert len(graphs) == 1  # compiled, not left to run eagerly
+    phases = load_phases(callback.output_dir)
+    assert len(phases) == 15
+    pbytes = unique_storage_bytes(module.parameters())
+    n = len(list(module.parameters()))
+    assert phases[phases.phase == "after_optimizer_step"].optimizer_state_bytes.tolist() == [2 * pbytes + 4 * n] * 3
+    # the compile callback goes with the mode
+    from torch._dynamo.callback import callback_handler
+
+    assert not [cb for cb in callback_handler.start_callbacks if "watch_compiles" in cb.__qualname__]
+
+
+@pytest.mark.skipif(not _COMPILES_UNDER_MODES, reason="torch before 2.9 compiles nothing under a dispatch mode")
+def test_the_estimate_runs_a_fullgraph_compiled_function_eagerly_and_leaves_it_compiled_for_the_run(tmp_path):
+    FullgraphLoss, graphs = _fullgraph_loss_mlp()
+    callback = MemTrace(estimate=True, what_if_budget_s=0, report=False)
+    module = FullgraphLoss()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(tmp_path, [callback], max_steps=3).fit(module)
+    assert [str(w.message) for w in caught if "MemTrace" in str(w.message)] == []
+    # the estimate ran it eagerly on fake tensors; the run compiled it (once) and ran it compiled
+    assert len(graphs) == 1
+    rows = pd.read_csv(callback.output_dir / "estimate_vs_measured_rank0.csv").set_index("category")
+    pbytes = unique_storage_bytes(module.parameters())
+    assert rows.loc["parameters", "estimated_bytes"] == rows.loc["parameters", "measured_bytes"] == pbytes
+    assert rows.loc["optimizer_state", "estimated_bytes"] == rows.loc["optimizer_state", "measured_bytes"]
+    assert abs(rows.loc["peak", "error_percent"]) <= 3.0
 
 
 def test_lightning_cli_configures_memtrace_from_yaml(tmp_path):

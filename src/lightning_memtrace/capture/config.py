@@ -113,6 +113,9 @@ class BackendChoice:
 
     config: RecorderConfig
     warning: str | None = None
+    #: The counting dispatch mode makes torch.compile'd code run eagerly, to count it (the user asked for that);
+    #: otherwise compiled code runs compiled under it, as without MemTrace, and is not counted.
+    compiled_eagerly: bool = False
 
 
 def choose_backend(
@@ -136,4 +139,5 @@ def choose_backend(
             "compiled regions are not seen. Pass MemTrace(track_allocations=True) to trade compilation for exact "
             "counters.",
         )
-    return BackendChoice(config, "track_allocations=True makes the torch.compile'd parts of the module run eagerly.")
+    eagerly = "track_allocations=True makes the torch.compile'd parts of the module run eagerly."
+    return BackendChoice(config, eagerly, compiled_eagerly=True)

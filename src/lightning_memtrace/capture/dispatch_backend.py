@@ -100,6 +100,18 @@ class _TrackerMode(torch_private.TorchDispatchMode):
     __torch_dispatch__ = _dispatch
 
 
+class _CompilingMode(_TrackerMode):
+    """The mode under which ``torch.compile``'d code compiles and runs compiled, as it would without MemTrace, its
+    allocations unseen by the mode: where it only notes stacks (the allocator's reports count), and where the
+    counting mode is told so (:attr:`DispatchBackend.compiled_code_compiles`). Under a mode that does not say so,
+    dynamo leaves the frame to run eagerly, fails a ``fullgraph=True`` function (torchao's low-bit optimizers compile
+    their step so) and marks that code never to be compiled again (torch 2.13 too). torch before 2.9 does not ask."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+
 class DispatchBackend:
     """Counts the storages operators make, by a dispatch mode entered on :meth:`start` (the thread's mode stack).
 
@@ -131,6 +143,13 @@ class DispatchBackend:
         self.grad_sums: GradSums | None = None
         #: Scratch of the kernels it covers, counted at the peak after the operator's outputs (set before start).
         self.kernel_scratch: KernelScratchRule | None = None
+        #: Counting: let ``torch.compile``'d code compile and run compiled under the mode, as without it; what it
+        #: allocates inside is not counted, and ``on_compile`` is called whenever dynamo compiles meanwhile. Off (the
+        #: default, which the estimate's fake tensors need): compiled code runs eagerly and is counted, and a
+        #: ``fullgraph=True`` function fails. Where the mode only notes stacks, compiled code always compiles.
+        self.compiled_code_compiles = False
+        self.on_compile: Callable[[], None] | None = None
+        self._unwatch_compiles: Callable[[], None] | None = None
 
     def note_frames_into(self, pending: dict[int, list[list[Frame]]]) -> None:
         """Count nothing from now on: note the Python stack of each new output in ``pending``, by address, oldest
@@ -149,7 +168,12 @@ class DispatchBackend:
         if self._mode is None:
             if self.grad_sums is None:
                 self.grad_sums = GradSums.probe()  # before the mode is entered: the probe is not counted
-            self._mode = _TrackerMode(self)
+            counting = self._frames_into is None
+            compiles = not counting or self.compiled_code_compiles
+            if counting and compiles and self.on_compile is not None:
+                # before the mode: importing dynamo under it would count dynamo's own tensors
+                self._unwatch_compiles = torch_private.watch_compiles(self.on_compile)
+            self._mode = (_CompilingMode if compiles else _TrackerMode)(self)
             self._mode.__enter__()
             # FSDP2 frees and re-allocates its gathered parameters by resizing their storages, which no operator does.
             self._resizes_seen = contextlib.ExitStack()
@@ -165,9 +189,15 @@ class DispatchBackend:
             resizes_seen.close()
         if mode is not None:
             mode.__exit__(None, None, None)
+        unwatch, self._unwatch_compiles = self._unwatch_compiles, None
+        if unwatch is not None:
+            unwatch()
 
     def after_fork_in_child(self) -> None:
         """A forked child (a DataLoader worker) runs its operators without the mode, which nothing there will exit."""
+        unwatch, self._unwatch_compiles = self._unwatch_compiles, None
+        if unwatch is not None:
+            unwatch()
         mode, self._mode = self._mode, None
         resizes_seen, self._resizes_seen = self._resizes_seen, None
         if resizes_seen is not None:

@@ -23,6 +23,7 @@ The recorder is a state machine over the phases of a step (:mod:`lightning_memtr
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import os
 import re
@@ -63,6 +64,14 @@ _DEFERRED_ROWS_MAX = 256
 _DEFERRED_SECONDS_MAX = 1.0
 #: Training batches between two looks for memory held between batches that keeps rising (over the rows held).
 GROWTH_CHECK_BATCHES = 200
+
+
+_COMPILED_UNCOUNTED = (
+    "torch.compile'd code compiled while the CPU allocation tracker (a dispatch mode) counts: it runs compiled, as "
+    "without MemTrace, and what it allocates inside is not counted (allocated_bytes and peak_bytes miss it; the "
+    "categories stay exact). The CPU allocator's reports count compiled code: they are read where no other profiler "
+    "runs (allocation_backend='auto')."
+)
 
 
 class MemTraceWarning(UserWarning):
@@ -216,6 +225,8 @@ class MemoryRecorder:
             backend=config.allocation_backend,
         )
         tracker.window_stacks = config.window_stacks
+        if not choice.compiled_eagerly:
+            tracker.let_compiled_code_compile(functools.partial(self._warn, "compiled", _COMPILED_UNCOUNTED))
         return tracker, device_counters if device_counters is not None else TrackerCounters(tracker), config
 
     # ------------------------------------------------------------------------------------------------ lifecycle

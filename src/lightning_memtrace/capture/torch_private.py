@@ -41,6 +41,26 @@ def skip_dynamo_for(code: Any) -> bool:
         return False
 
 
+def watch_compiles(callback: Callable[[], None]) -> Callable[[], None] | None:
+    """Call ``callback`` whenever dynamo starts compiling, until the returned function is called (it stops that);
+    None where this torch has no compile callbacks."""
+    try:
+        from torch._dynamo.callback import callback_handler
+    except Exception:  # any torch without them (ImportError, AttributeError): nothing is watched
+        return None
+
+    def started(_: Any) -> None:
+        callback()
+
+    callback_handler.register_start_callback(started)
+
+    def stop_watching() -> None:
+        with contextlib.suppress(ValueError):  # cleared by dynamo's own reset meanwhile
+            callback_handler.remove_start_callback(started)
+
+    return stop_watching
+
+
 def operator_call(func: Any) -> Callable[..., Any]:
     """The operator's C++ overload (``OpOverload._op``), callable without ``OpOverload.__call__``'s extra frame."""
     call = getattr(func, "_op", None)

@@ -113,6 +113,13 @@ class AllocationTracker:
         # Stopped in this order: the dispatch mode first, then the last reports are read.
         self._backends: tuple[TrackerBackend, ...] = (self._dispatch, self._reports)
 
+    def let_compiled_code_compile(self, on_compile: Callable[[], None]) -> None:
+        """Backend "dispatch": ``torch.compile``'d code compiles and runs compiled under the counting mode, as without
+        it (else it runs eagerly, and a ``fullgraph=True`` function fails); what it allocates inside is not counted,
+        and ``on_compile`` is called whenever dynamo compiles while the mode counts. Set before :meth:`start`."""
+        self._dispatch.compiled_code_compiles = True
+        self._dispatch.on_compile = on_compile
+
     # ----------------------------------------------------------------------------------------------- lifecycle
     def start(self) -> None:
         if self.active:

@@ -135,6 +135,22 @@ def outer_modes_paused() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def compiled_code_runs_eagerly() -> Iterator[None]:
+    """Inside, ``torch.compile``'d functions run eagerly, as compiled modules do in the estimate (:func:`uncompiled`).
+
+    Under the estimate's dispatch mode dynamo would leave such a function to run eagerly anyway, fail a
+    ``fullgraph=True`` one (torchao's low-bit optimizers compile their step so), and mark its code never to be compiled
+    again, in the real run too. ``torch.compiler.set_stance`` (torch 2.6 and later) does neither; before, as before.
+    """
+    set_stance = getattr(getattr(torch, "compiler", None), "set_stance", None)
+    if set_stance is None:
+        yield
+        return
+    with set_stance("force_eager"):
+        yield
+
+
 def uncompiled(module: nn.Module) -> nn.Module:
     """The module ``torch.compile`` wrapped (an ``OptimizedModule``'s ``_orig_mod``), else ``module`` itself.
 

@@ -27,6 +27,7 @@ from lightning_memtrace.capture.storages import memory_tensors, unique_storages
 from lightning_memtrace.estimator.closed_form import closed_form
 from lightning_memtrace.analysis.frames import asking_frame, format_frame
 from lightning_memtrace.estimator.fake import (
+    compiled_code_runs_eagerly,
     fake_copy,
     fake_mode,
     is_compiled,
@@ -213,6 +214,7 @@ def _estimate(
     with (
         warnings.catch_warnings(),
         outer_modes_paused(),
+        compiled_code_runs_eagerly(),
         meta_failures_unlogged(),
         own_prints_dropped(),
         world as mesh,
