@@ -159,6 +159,7 @@ class SavedTensorsRecorder:
             return False
         self._hooks = hooks
         hooks_stand_in.note_pushed(self)
+        torch_private.note_sac_saves(self._note)
         return True
 
     def pop(self) -> None:
@@ -171,6 +172,7 @@ class SavedTensorsRecorder:
         """Pop the hooks, leaving the stand-in held (see :meth:`push`)."""
         hooks, self._hooks = self._hooks, None
         if hooks is not None:
+            torch_private.stop_noting_sac_saves(self._note)
             hooks_stand_in.note_popped(self)
             hooks.__exit__(None, None, None)
 

@@ -503,6 +503,43 @@ def saved_tensors_hooks_pushed() -> bool:
     return pushed
 
 
+# The notes of the recorders whose hooks are pushed, innermost last (an estimate inside a fit pushes over the fit's).
+_SAC_NOTES: list[Callable[[torch.Tensor], None]] = []
+_VERSION_WRAPPER_INIT: Callable[..., None] | None = None
+
+
+def _noted_version_wrapper_init(self: Any, val: Any) -> None:
+    _VERSION_WRAPPER_INIT(self, val)  # type: ignore[misc]
+    if _SAC_NOTES and isinstance(val, torch.Tensor):
+        _SAC_NOTES[-1](val)
+
+
+def note_sac_saves(note: Callable[[torch.Tensor], None]) -> None:
+    """Until :func:`stop_noting_sac_saves`, hand ``note`` each tensor that selective activation checkpointing
+    (``create_selective_checkpoint_contexts``) keeps for the backward: it keeps the outputs its policy saves in a store
+    of its own, each in a ``_VersionWrapper``, which no saved-tensor hook sees. Nothing where this torch has no SAC."""
+    global _VERSION_WRAPPER_INIT
+    wrapper = getattr(sys.modules.get("torch.utils.checkpoint"), "_VersionWrapper", None)
+    if wrapper is None:
+        return
+    if not _SAC_NOTES:
+        _VERSION_WRAPPER_INIT = wrapper.__init__
+        wrapper.__init__ = _noted_version_wrapper_init
+    _SAC_NOTES.append(note)
+
+
+def stop_noting_sac_saves(note: Callable[[torch.Tensor], None]) -> None:
+    """Stop handing ``note`` the tensors SAC keeps; torch's ``_VersionWrapper`` is as it was once no note is left."""
+    global _VERSION_WRAPPER_INIT
+    with contextlib.suppress(ValueError):  # never added: a torch without SAC
+        _SAC_NOTES.remove(note)
+    if not _SAC_NOTES and _VERSION_WRAPPER_INIT is not None:
+        wrapper = getattr(sys.modules.get("torch.utils.checkpoint"), "_VersionWrapper", None)
+        if wrapper is not None:
+            wrapper.__init__ = _VERSION_WRAPPER_INIT
+        _VERSION_WRAPPER_INIT = None
+
+
 def queue_backward_callback(callback: Callable[[], None]) -> bool:
     """Run ``callback`` when the backward running now ends, on the thread that finishes it; False outside one."""
     try:
