@@ -26,19 +26,34 @@ from lm_helpers import MLP, trainer
 HERE = Path(__file__).resolve().parent
 
 
-def _compiled_mlp():
-    """The MLP with its net compiled by a backend that counts the graphs it is handed (dynamo reset first)."""
+def _counting_backend():
+    """A torch.compile backend that keeps the graphs it is handed and runs them as they are (dynamo reset first)."""
     graphs = []
 
     def counting_backend(gm, example_inputs):
         graphs.append(gm)
         return gm.forward
 
+    torch._dynamo.reset()
+    return counting_backend, graphs
+
+
+def _memtrace_says(fit) -> list[str]:
+    """The messages of MemTrace's warnings while ``fit()`` runs."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit()
+    return [str(w.message) for w in caught if "MemTrace" in str(w.message)]
+
+
+def _compiled_mlp():
+    """The MLP with its net compiled by a backend that counts the graphs it is handed."""
+    counting_backend, graphs = _counting_backend()
+
     class Compiled(MLP):
         def configure_model(self):
             self.net = torch.compile(self.net, backend=counting_backend)
 
-    torch._dynamo.reset()
     return Compiled, graphs
 
 
@@ -46,12 +61,9 @@ def test_compiled_module_with_clipping_and_bf16_mixed(tmp_path):
     Compiled, graphs = _compiled_mlp()
     callback = MemTrace()
     module = Compiled()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer(tmp_path, [callback], max_steps=3, gradient_clip_val=1.0, precision="bf16-mixed").fit(module)
-    said = [str(w.message) for w in caught if "MemTrace" in str(w.message)]
+    fit = trainer(tmp_path, [callback], max_steps=3, gradient_clip_val=1.0, precision="bf16-mixed").fit
     # the allocator's reports see compiled code run: the tracker stays on, and nothing needs saying
-    assert said == []
+    assert _memtrace_says(lambda: fit(module)) == []
     assert callback.tracker_backend == "reports"
     phases = load_phases(callback.output_dir)
     assert len(phases) == 15
@@ -71,10 +83,7 @@ def test_compiled_module_with_clipping_and_bf16_mixed(tmp_path):
 def test_compiled_module_with_the_dispatch_tracker_warns_and_runs_compiled(tmp_path):
     Compiled, graphs = _compiled_mlp()
     callback = MemTrace(allocation_backend="dispatch")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer(tmp_path, [callback], max_steps=3).fit(Compiled())
-    said = [str(w.message) for w in caught if "MemTrace" in str(w.message)]
+    said = _memtrace_says(lambda: trainer(tmp_path, [callback], max_steps=3).fit(Compiled()))
     assert len(said) == 1 and "compile" in said[0] and "allocation tracker" in said[0]
     assert callback.tracker_backend is None
     assert len(graphs) == 1
@@ -92,12 +101,8 @@ def test_tracker_handler_is_never_compiled_by_dynamo(tmp_path):
 
 def _fullgraph_loss_mlp():
     """The MLP with its loss computed by a ``fullgraph=True`` compiled function (as torchao's low-bit optimizers
-    compile their step), through a backend that counts the graphs it is handed (dynamo reset first)."""
-    graphs = []
-
-    def counting_backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
+    compile their step), through a backend that counts the graphs it is handed."""
+    counting_backend, graphs = _counting_backend()
 
     @torch.compile(fullgraph=True, backend=counting_backend)
     def loss_of(out, y):
@@ -108,7 +113,6 @@ def _fullgraph_loss_mlp():
             x, y = batch
             return loss_of(self(x), y)
 
-    torch._dynamo.reset()
     return FullgraphLoss, graphs
 
 
@@ -120,10 +124,7 @@ def test_a_fullgraph_compiled_function_trains_through_the_history_window(tmp_pat
     FullgraphLoss, graphs = _fullgraph_loss_mlp()
     callback = MemTrace()
     module = FullgraphLoss()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer(tmp_path, [callback], max_steps=4).fit(module)
-    assert [str(w.message) for w in caught if "MemTrace" in str(w.message)] == []
+    assert _memtrace_says(lambda: trainer(tmp_path, [callback], max_steps=4).fit(module)) == []
     assert callback.tracker_backend == "reports"
     # compiled once and run compiled on every step, the window's (1 and 2) included
     assert len(graphs) == 1
@@ -141,10 +142,7 @@ def test_a_fullgraph_compiled_function_trains_under_the_counting_dispatch_mode(t
     FullgraphLoss, graphs = _fullgraph_loss_mlp()
     callback = MemTrace(allocation_backend="dispatch")
     module = FullgraphLoss()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer(tmp_path, [callback], max_steps=3).fit(module)
-    said = [str(w.message) for w in caught if "MemTrace" in str(w.message)]
+    said = _memtrace_says(lambda: trainer(tmp_path, [callback], max_steps=3).fit(module))
     assert len(said) == 1 and "compiled while the CPU allocation tracker" in said[0] and "not counted" in said[0]
     assert callback.tracker_backend == "dispatch"
     assert len(graphs) == 1  # compiled, not left to run eagerly
@@ -164,10 +162,7 @@ def test_the_estimate_runs_a_fullgraph_compiled_function_eagerly_and_leaves_it_c
     FullgraphLoss, graphs = _fullgraph_loss_mlp()
     callback = MemTrace(estimate=True, what_if_budget_s=0, report=False)
     module = FullgraphLoss()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer(tmp_path, [callback], max_steps=3).fit(module)
-    assert [str(w.message) for w in caught if "MemTrace" in str(w.message)] == []
+    assert _memtrace_says(lambda: trainer(tmp_path, [callback], max_steps=3).fit(module)) == []
     # the estimate ran it eagerly on fake tensors; the run compiled it (once) and ran it compiled
     assert len(graphs) == 1
     rows = pd.read_csv(callback.output_dir / "estimate_vs_measured_rank0.csv").set_index("category")
