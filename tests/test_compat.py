@@ -24,6 +24,7 @@ from lightning_memtrace.capture.storages import unique_storage_bytes
 from lm_helpers import MLP, trainer
 
 HERE = Path(__file__).resolve().parent
+_COMPILES_UNDER_MODES = hasattr(TorchDispatchMode, "ignore_compile_internals")  # torch 2.9 and later
 
 
 def _counting_backend():
@@ -75,6 +76,12 @@ def test_compiled_module_with_clipping_and_bf16_mixed(tmp_path):
     # the module really ran compiled, and was not recompiled because of MemTrace
     assert len(graphs) == 1
     assert (phases.allocated_bytes >= phases.parameters_bytes + phases.optimizer_state_bytes).all()
+    # the window's stacks: the eager parts' allocations have them (the optimizer step's), where torch lets compiled
+    # code compile under the mode that notes them
+    with open(callback.files[0], "rb") as file:
+        allocations = [e for trace in pickle.load(file)["device_traces"] for e in trace if e["action"] == "alloc"]
+    adam = [e for e in allocations if any(f["name"] == "_single_tensor_adam" for f in e.get("frames", ()))]
+    assert (len(adam) > 0) == _COMPILES_UNDER_MODES
     # counted, not summed: the forward's peak is above what is live after it (the compiled code's temporaries)
     forward = phases[phases.phase == "after_forward"]
     assert (forward.peak_bytes > forward.allocated_bytes).all()
@@ -114,9 +121,6 @@ def _fullgraph_loss_mlp():
             return loss_of(self(x), y)
 
     return FullgraphLoss, graphs
-
-
-_COMPILES_UNDER_MODES = hasattr(TorchDispatchMode, "ignore_compile_internals")  # torch 2.9 and later
 
 
 @pytest.mark.skipif(not _COMPILES_UNDER_MODES, reason="torch before 2.9 compiles nothing under a dispatch mode")

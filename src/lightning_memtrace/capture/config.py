@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from lightning_memtrace.analysis.rules import RuleError, compile_rules
+from lightning_memtrace.capture import torch_private
 
 #: How the CPU allocation tracker sees allocations (see :class:`RecorderConfig`).
 AllocationBackend = Literal["auto", "reports", "dispatch"]
@@ -123,14 +124,16 @@ def choose_backend(
 ) -> BackendChoice:
     """Settle the tracker's backend for a run of ``model``.
 
-    A compiled module on a device without allocator counters: the dispatch mode would make its compiled parts run
-    eagerly, so the allocator's reports are used (the window goes without stacks) where they are available, and
-    otherwise the tracker is off unless the user turned it on explicitly.
+    A compiled module on a device without allocator counters: the counting dispatch mode would miss what its compiled
+    parts allocate (or, made to count them, run them eagerly), so the allocator's reports are used where they are
+    available (the window's stack-noting mode lets compiled code compile; before torch 2.9 it cannot, and the window
+    goes without stacks), and otherwise the tracker is off unless the user turned it on explicitly.
     """
     if config.track_allocations is False or has_counters or not has_compiled_parts(model):
         return BackendChoice(config)
     if config.allocation_backend != "dispatch" and reports_available:
-        return BackendChoice(config.replace(allocation_backend="reports", window_stacks=False))
+        stacks = config.window_stacks and torch_private.dispatch_modes_let_compiled_code_compile()
+        return BackendChoice(config.replace(allocation_backend="reports", window_stacks=stacks))
     if config.track_allocations is None:
         return BackendChoice(
             config.replace(track_allocations=False),

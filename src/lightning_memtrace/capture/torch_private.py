@@ -61,6 +61,12 @@ def watch_compiles(callback: Callable[[], None]) -> Callable[[], None] | None:
     return stop_watching
 
 
+def dispatch_modes_let_compiled_code_compile() -> bool:
+    """Whether a dispatch mode can let ``torch.compile``'d code compile and run compiled under it
+    (``ignore_compile_internals``, torch 2.9 and later); before, dynamo runs any code under a mode eagerly."""
+    return hasattr(TorchDispatchMode, "ignore_compile_internals")
+
+
 def operator_call(func: Any) -> Callable[..., Any]:
     """The operator's C++ overload (``OpOverload._op``), callable without ``OpOverload.__call__``'s extra frame."""
     call = getattr(func, "_op", None)
