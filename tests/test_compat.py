@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_memtrace import MemTrace, MemTraceWarning, load_phases
 from lightning_memtrace.capture import recorder as recorder_module
+from lightning_memtrace.capture import torch_private
 from lightning_memtrace.capture.storages import unique_storage_bytes
 from lm_helpers import MLP, trainer
 
@@ -78,8 +79,7 @@ def test_compiled_module_with_clipping_and_bf16_mixed(tmp_path):
     assert (phases.allocated_bytes >= phases.parameters_bytes + phases.optimizer_state_bytes).all()
     # the window's stacks: the eager parts' allocations have them (the optimizer step's), where torch lets compiled
     # code compile under the mode that notes them
-    with open(callback.files[0], "rb") as file:
-        allocations = [e for trace in pickle.load(file)["device_traces"] for e in trace if e["action"] == "alloc"]
+    allocations = _window_allocations(callback)
     adam = [e for e in allocations if any(f["name"] == "_single_tensor_adam" for f in e.get("frames", ()))]
     assert (len(adam) > 0) == _COMPILES_UNDER_MODES
     # counted, not summed: the forward's peak is above what is live after it (the compiled code's temporaries)
@@ -159,6 +159,29 @@ def test_a_fullgraph_compiled_function_trains_under_the_counting_dispatch_mode(t
     from torch._dynamo.callback import callback_handler
 
     assert not [cb for cb in callback_handler.start_callbacks if "watch_compiles" in cb.__qualname__]
+
+
+def _window_allocations(callback: MemTrace) -> list[dict]:
+    (snapshot,) = callback.files
+    with open(snapshot, "rb") as file:
+        return [e for trace in pickle.load(file)["device_traces"] for e in trace if e["action"] == "alloc"]
+
+
+@pytest.mark.parametrize("compiled_before", [True, False])
+def test_before_torch_2_9_the_window_notes_no_stacks_once_dynamo_compiled_anything(
+    tmp_path, monkeypatch, compiled_before
+):
+    # Before 2.9 a dispatch mode cannot let compiled code compile: the window's would fail a fullgraph=True function
+    # compiled at step 0 (this torch can: its refusal is stood in for here), so it stays off once dynamo compiled.
+    monkeypatch.setattr(torch_private, "dispatch_modes_let_compiled_code_compile", lambda: False)
+    monkeypatch.setattr(torch_private, "dynamo_compiled_anything", lambda: compiled_before)
+    callback = MemTrace()
+    trainer(tmp_path, [callback], max_steps=3).fit(MLP())
+    allocations = _window_allocations(callback)
+    assert len(allocations) > 50
+    with_stacks = [e for e in allocations if e.get("frames")]
+    assert len(with_stacks) == (len(allocations) if not compiled_before else 0)
+    assert len(load_phases(callback.output_dir)) == 15
 
 
 @pytest.mark.skipif(not _COMPILES_UNDER_MODES, reason="torch before 2.9 compiles nothing under a dispatch mode")

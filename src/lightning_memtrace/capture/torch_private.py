@@ -67,6 +67,15 @@ def dispatch_modes_let_compiled_code_compile() -> bool:
     return hasattr(TorchDispatchMode, "ignore_compile_internals")
 
 
+def dynamo_compiled_anything() -> bool:
+    """Whether dynamo has compiled a graph in this process (its counters, which ``torch._dynamo.reset`` keeps)."""
+    counters = getattr(sys.modules.get("torch._dynamo.utils"), "counters", None)
+    try:
+        return bool(counters is not None and counters["stats"]["unique_graphs"])
+    except Exception:  # a torch whose counters look otherwise: as if nothing was compiled
+        return False
+
+
 def operator_call(func: Any) -> Callable[..., Any]:
     """The operator's C++ overload (``OpOverload._op``), callable without ``OpOverload.__call__``'s extra frame."""
     call = getattr(func, "_op", None)

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from lightning_memtrace.capture import torch_private
 from lightning_memtrace.capture.allocation_state import (
     OOM,
     AllocationState,
@@ -137,7 +138,7 @@ class AllocationTracker:
                 # out-of-memory error is recorded by note_oom() once it has left the operator (reading the reports
                 # inside it would hand the operator's caller a warning of torch's about the session).
                 self._dispatch.note_frames_into(self._reports.pending_frames)
-                if self._state.capture_all_frames and self.window_stacks:
+                if self._state.capture_all_frames and self._notes_stacks_now():
                     self._dispatch.start()
                 return
         self.backend = self._dispatch.name
@@ -324,6 +325,14 @@ class AllocationTracker:
         """Tell ``allocator`` (a model of a device's allocator) of every allocation and free counted from now on."""
         self._state.allocator = allocator
 
+    def _notes_stacks_now(self) -> bool:
+        """Whether the history window runs the dispatch mode that notes stacks (backend "reports"). Not where torch
+        cannot let compiled code compile under a mode (before 2.9) once dynamo has compiled anything in this process:
+        the mode would fail a ``fullgraph=True`` function and leave any other to run eagerly for the rest of the run."""
+        return self.window_stacks and (
+            torch_private.dispatch_modes_let_compiled_code_compile() or not torch_private.dynamo_compiled_anything()
+        )
+
     def record_history(self, enabled: bool) -> None:
         """Open (or close) a history window: every allocation gets a stack and the ring holds ``max_entries``.
 
@@ -333,7 +342,7 @@ class AllocationTracker:
         if self._reports.session is not None:
             self.sync()  # reports up to now belong outside (or inside) the window that is closing (or opening)
             state.stream_stage, state.stream_metadata = self.stage, self.metadata
-            if enabled and self.window_stacks:
+            if enabled and self._notes_stacks_now():
                 state.open_ranges.clear()  # the mode saw no range open or close since it last ran
                 self._dispatch.start()
             else:
