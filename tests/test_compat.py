@@ -16,7 +16,6 @@ import pandas as pd
 import pytest
 import torch
 import yaml
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_memtrace import MemTrace, MemTraceWarning, load_phases
 from lightning_memtrace.capture import recorder as recorder_module
@@ -25,7 +24,7 @@ from lightning_memtrace.capture.storages import unique_storage_bytes
 from lm_helpers import MLP, trainer
 
 HERE = Path(__file__).resolve().parent
-_COMPILES_UNDER_MODES = hasattr(TorchDispatchMode, "ignore_compile_internals")  # torch 2.9 and later
+_COMPILES_UNDER_MODES = torch_private.dispatch_modes_let_compiled_code_compile()  # torch 2.9 and later
 
 
 def _counting_backend():
