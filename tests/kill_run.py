@@ -13,7 +13,7 @@ from lm_helpers import MLP, trainer  # noqa: E402
 
 
 class Ready(pl.Callback):
-    """READY once step 20 is past and the CSV holds 100 rows (rows reach it every second or every 4,096 rows)."""
+    """READY once step 20 is past and the CSV holds 100 rows (rows reach it every second or every 256 rows)."""
 
     def __init__(self, csv: Path) -> None:
         self.csv, self.said = csv, False

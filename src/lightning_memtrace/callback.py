@@ -72,7 +72,7 @@ class MemTrace(Callback):
 
     **CSV** ``<trainer.log_dir>/memtrace/phases_rank<R>.csv`` (or ``<dirpath>/phases_rank<R>.csv``), one line per
     row, appended on resume. Lines are written together, whole: at the end of a batch once a second has passed, as
-    the 4,096th row waits, at the end of each validation run, and when the fit ends or fails.
+    the 256th row waits, at the end of each validation run, and when the fit ends or fails.
     Columns:
 
     - ``step``: the global step when the batch started (every row of a batch carries it)

@@ -59,10 +59,8 @@ from lightning_memtrace.types import STAGE_AFTER_PHASE, Category, Phase, PhaseRe
 
 #: Deferred rows (see :meth:`MemoryRecorder.flush`) are read at the end of the batch where this many are waiting or
 #: this many seconds have passed since the last read (and whenever the rows are wanted: logging, gathering, the end).
-#: Rows reach the CSV on the same rule, also where they are read at once. The count only bounds a loop of very short
-#: batches (a second of them): each read costs a few milliseconds of its own, which every 256 rows made about a third of
-#: MemTrace's cost in a validation loop of tiny batches.
-_DEFERRED_ROWS_MAX = 4096
+#: Rows reach the CSV on the same rule, also where they are read at once.
+_DEFERRED_ROWS_MAX = 256
 _DEFERRED_SECONDS_MAX = 1.0
 #: Training batches between two looks for memory held between batches that keeps rising (over the rows held).
 GROWTH_CHECK_BATCHES = 200
@@ -447,7 +445,7 @@ class MemoryRecorder:
 
         Reading costs about the same per report whenever it happens, but each read also frees torch's result at once,
         after which the C library trims the heap and the next step faults the pages in again; so the reports of many
-        batches are read at once: every few thousand rows or every second (also without rows: the reports must not
+        batches are read at once: every few hundred rows or every second (also without rows: the reports must not
         pile up). Under a process group, every training batch: the collectives' worker threads free blocks this
         thread made, which only the allocator's totals between two reads tell.
         """
@@ -494,7 +492,7 @@ class MemoryRecorder:
 
         With the CPU allocator's reports (the default on CPU, outside the history window), a row is taken where it
         happens but its allocated and peak bytes are read from the report stream later: at the end of the batch where
-        a few thousand rows wait or a second has passed (under a process group, every training batch), and here.
+        a few hundred rows wait or a second has passed (under a process group, every training batch), and here.
         Rows reach the CSV on the same rule (also where they are read at once), and when the recorder stops.
         The session is the thread's that started the recorder: on another thread this does nothing.
         """
