@@ -335,7 +335,9 @@ def apply_lora(model: nn.Module, shape: LoraShape | None = None) -> nn.Module:
     try:
         from peft import LoraConfig, inject_adapter_in_model
     except ModuleNotFoundError as error:
-        raise ModuleNotFoundError(f"LoRA needs peft (pip install 'lightning-memtrace[whatif]'): {error}") from None
+        from lightning_memtrace.estimator.quantization import NEEDS_WHATIF
+
+        raise ModuleNotFoundError(f"LoRA needs peft ({NEEDS_WHATIF}): {error}") from None
 
     shape = shape or LoraShape()
     targets = lora_targets(model, shape.targets)
