@@ -36,7 +36,7 @@ _EXPORTS = {
     "what_if": "lightning_memtrace.estimator.what_if",
     "what_if_result": "lightning_memtrace.estimator.what_if",
     "what_if_from_config": "lightning_memtrace.estimator.what_if",
-    "WhatIf": "lightning_memtrace.estimator.what_if",
+    "WhatIf": "lightning_memtrace.estimator.what_if_results",
     "Remedy": "lightning_memtrace.estimator.remedies",
 }
 
@@ -55,7 +55,8 @@ if TYPE_CHECKING:
         find_max_batch,
     )
     from lightning_memtrace.estimator.remedies import Remedy
-    from lightning_memtrace.estimator.what_if import WhatIf, what_if, what_if_from_config, what_if_result
+    from lightning_memtrace.estimator.what_if import what_if, what_if_from_config, what_if_result
+    from lightning_memtrace.estimator.what_if_results import WhatIf
     from lightning_memtrace.capture.config import RecorderConfig
     from lightning_memtrace.analysis.phases import load_phases
     from lightning_memtrace.capture.recorder import MemoryRecorder, MemTraceWarning

@@ -8,7 +8,7 @@ import pytest
 
 from lightning_memtrace.cli.estimate import main
 from lightning_memtrace.estimator import build_meta_model, estimate_from_config
-from lightning_memtrace.estimator.what_if import usable_bytes
+from lightning_memtrace.estimator.what_if_results import usable_bytes
 from lightning_memtrace.models import TINY_QWEN2_CONFIG
 
 ONE_LAYER = dict(TINY_QWEN2_CONFIG, num_hidden_layers=1)

@@ -10,7 +10,8 @@ from lm_helpers import MLP
 
 from lightning_memtrace.capture.ddp_buckets import bucket_bytes
 from lightning_memtrace.estimator import estimate
-from lightning_memtrace.estimator.what_if import HEADROOM_BYTES, HEADROOM_FRACTION, what_if_result
+from lightning_memtrace.estimator.what_if import what_if_result
+from lightning_memtrace.estimator.what_if_results import HEADROOM_BYTES, HEADROOM_FRACTION
 
 BATCH = (torch.randn(16, 32), torch.randn(16, 1))
 

@@ -162,7 +162,8 @@ def test_the_qlora_remedy_and_its_snippet(tmp_path):
     combination's precision; on a module with LoRA and 4-bit layers already, it is not offered again."""
     from lightning_memtrace.cli.estimate import REMEDIES
     from lightning_memtrace.estimator.remedies import LORA_RANK, Remedy, Settings, lora_targets
-    from lightning_memtrace.estimator.what_if import ConfigSetup, snippet, what_if_from_config, what_if_result
+    from lightning_memtrace.estimator.what_if import what_if_from_config, what_if_result
+    from lightning_memtrace.estimator.what_if_setups import ConfigSetup, snippet
 
     assert REMEDIES == tuple(remedy.value for remedy in Remedy)  # the command's choices, kept apart from torch
     result = what_if_from_config(QWEN2, BATCH, SEQ, device="cpu", task="sequence-classification", steps=3,

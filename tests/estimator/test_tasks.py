@@ -184,7 +184,8 @@ def test_lora_trains_the_task_head_as_peft_does(tmp_path, request, task, config)
     case = request.node.callspec.id
 
     from lightning_memtrace.estimator.remedies import LORA_RANK, lora_heads, lora_targets
-    from lightning_memtrace.estimator.what_if import lora_line, what_if_from_config
+    from lightning_memtrace.estimator.what_if import what_if_from_config
+    from lightning_memtrace.estimator.what_if_setups import lora_line
 
     result = what_if_from_config(config, BATCH, SEQ, device="cpu", task=task, steps=3, remedies=["lora"],
                                  max_batch=False)  # fmt: skip

@@ -12,16 +12,9 @@ from estimate_checks import PHASES, real_run
 from lm_helpers import MLP, TinyLM
 
 from lightning_memtrace.estimator.remedies import FORMULA_REMEDIES, Remedy, Settings, apply_remedies
-from lightning_memtrace.estimator.what_if import (
-    HEADROOM_BYTES,
-    HEADROOM_FRACTION,
-    WhatIf,
-    formula_peak,
-    resize_batch,
-    usable_bytes,
-    what_if,
-    what_if_result,
-)
+from lightning_memtrace.estimator.what_if import formula_peak, what_if, what_if_result
+from lightning_memtrace.estimator.what_if_results import HEADROOM_BYTES, HEADROOM_FRACTION, WhatIf, usable_bytes
+from lightning_memtrace.estimator.what_if_setups import resize_batch
 from lightning_memtrace.types import Category
 
 #: The issue's size (8 x 128) with MEMTRACE_FULL_WHAT_IF=1 (bf16 on CPU makes it minutes per remedy); a smaller
@@ -302,7 +295,7 @@ def test_the_checkpointing_snippet_runs_on_the_model_without_a_deprecation():
     """Transformers 5.2x deprecates ``gradient_checkpointing_enable``: the snippet calls what the model offers."""
     import warnings
 
-    from lightning_memtrace.estimator.what_if import checkpointing_line
+    from lightning_memtrace.estimator.what_if_setups import checkpointing_line
     from lightning_memtrace.models import TINY_QWEN2_CONFIG, build_causal_lm
 
     model = build_causal_lm(TINY_QWEN2_CONFIG)

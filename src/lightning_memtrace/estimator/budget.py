@@ -18,13 +18,8 @@ from torch import nn
 
 from lightning_memtrace.estimator.inputs import InputSpec, map_batch
 from lightning_memtrace.estimator.remedies import Remedy
-from lightning_memtrace.estimator.what_if import (
-    OutOfTime,
-    WhatIf,
-    combination_lines,
-    failure_line,
-    what_if_result,
-)
+from lightning_memtrace.estimator.what_if import OutOfTime, failure_line, what_if_result
+from lightning_memtrace.estimator.what_if_results import WhatIf, combination_lines
 
 #: The default time budget of a what-if MemTrace runs by itself, in seconds.
 DEFAULT_BUDGET_S = 60.0
@@ -90,7 +85,7 @@ class BudgetedWhatIf:
         return self.result is not None and bool(self.result.rows)
 
     def text(self) -> str:
-        """The table (see :func:`~lightning_memtrace.estimator.what_if.what_if_table`) where one was made, then the
+        """The table (see :func:`~lightning_memtrace.estimator.what_if_results.what_if_table`) where one was made, then the
         note."""
         lines = [self.result.table()] if self.made and self.result is not None else []
         if self.result is not None and not self.made and not self.note:

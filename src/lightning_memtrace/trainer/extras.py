@@ -130,7 +130,7 @@ def what_if_after_oom(trainer: pl.Trainer, batch: Any, budget_s: float) -> dict[
 
 def write_what_if(trainer: pl.Trainer, batch: Any, folder: Path | None, rank: int, budget_s: float) -> Path | None:
     """At the end of a fit with ``estimate=True``: ``what_if_rank<R>.csv`` (the columns of
-    :meth:`~lightning_memtrace.estimator.what_if.WhatIf.to_dataframe`: ``remedy``, ``peak_bytes``, ``saved_bytes``,
+    :meth:`~lightning_memtrace.estimator.what_if_results.WhatIf.to_dataframe`: ``remedy``, ``peak_bytes``, ``saved_bytes``,
     ``fits``, ``max_micro_batch``, ``kind``, ``price``, ``<category>_bytes``; bytes as ints) and
     ``what_if_rank<R>.json`` (everything, see :meth:`~lightning_memtrace.estimator.budget.BudgetedWhatIf.as_dict`)
     next to the estimate-vs-measured CSV, for the first batch; returns the CSV (None where none was written). A stop
