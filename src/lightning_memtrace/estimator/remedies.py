@@ -12,9 +12,11 @@ the remedy the prediction assumed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Iterable
+import sys
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -201,7 +203,6 @@ def import_bitsandbytes() -> Any:
     or in an OOM post-mortem, inside the user's process: a line on their console or a download there is not MemTrace's
     to make. An import the user made first is left as it is."""
     import logging
-    import sys
 
     if "bitsandbytes" in sys.modules:
         return sys.modules["bitsandbytes"]
@@ -443,20 +444,41 @@ def prepare_for(settings: Settings) -> Callable[[nn.Module], Any] | None:
 
 
 # ------------------------------------------------------------------------------------------------ the optimizer
-def _adamw_8bit_class(fake: bool) -> type:
-    bnb = import_bitsandbytes()
+#: bitsandbytes' module of its optimizers' base class (``Optimizer8bit``, the 32-bit and paged ones' base too).
+_BNB_OPTIMIZERS = "bitsandbytes.optim.optimizer"
+#: Entries of each quantization map bitsandbytes' 8-bit optimizers keep (``create_dynamic_map``'s 256 codes).
+_QUANTIZATION_CODES = 256
 
-    if not fake:
-        return bnb.optim.AdamW8bit
 
-    class AdamW8bit(bnb.optim.AdamW8bit):
-        """bitsandbytes' AdamW8bit whose quantization maps are shapes only (their values need real tensors)."""
+def bnb_optimizers_imported() -> bool:
+    """Whether bitsandbytes' optimizers are imported in this process (MemTrace never imports them to find out)."""
+    return _BNB_OPTIMIZERS in sys.modules
 
-        def fill_qmap(self) -> None:
-            self.name2qmap["dynamic"] = torch.empty(256)
-            self.name2qmap["udynamic"] = torch.empty(256)
 
-    return AdamW8bit
+def _shape_only_maps(optimizer: Any) -> None:
+    optimizer.name2qmap["dynamic"] = torch.empty(_QUANTIZATION_CODES)
+    optimizer.name2qmap["udynamic"] = torch.empty(_QUANTIZATION_CODES)
+
+
+@contextlib.contextmanager
+def shape_only_quantization_maps() -> Iterator[None]:
+    """bitsandbytes' 8-bit optimizers made meanwhile get quantization maps of the real shape and dtype, without values.
+
+    Their constructor computes the maps' codes from values (``create_dynamic_map`` reads ``tolist()``), which fake
+    tensors do not have: an 8-bit optimizer made on fake parameters failed with ``DataDependentOutputException``. The
+    step only moves the maps to the parameters' device and quantizes with them, which fake tensors do without values.
+    Nothing changes where bitsandbytes' optimizers are not imported.
+    """
+    base = getattr(sys.modules.get(_BNB_OPTIMIZERS), "Optimizer8bit", None)
+    if base is None or "fill_qmap" not in vars(base):
+        yield
+        return
+    original = vars(base)["fill_qmap"]
+    base.fill_qmap = _shape_only_maps
+    try:
+        yield
+    finally:
+        base.fill_qmap = original
 
 
 def build_optimizer(name: str, params: Iterable[torch.Tensor], lr: float = 1e-3, fake: bool = False) -> Any:
@@ -468,7 +490,9 @@ def build_optimizer(name: str, params: Iterable[torch.Tensor], lr: float = 1e-3,
 
         return Adafactor(params, lr=lr, scale_parameter=False, relative_step=False, warmup_init=False)
     if name == "adamw_8bit":
-        return _adamw_8bit_class(fake)(params, lr=lr)
+        bnb = import_bitsandbytes()
+        with shape_only_quantization_maps() if fake else contextlib.nullcontext():
+            return bnb.optim.AdamW8bit(params, lr=lr)
     raise ValueError(f"unknown optimizer {name!r}")
 
 

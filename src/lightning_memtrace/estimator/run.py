@@ -51,7 +51,11 @@ from lightning_memtrace.estimator.layer_drop import no_layer_dropped
 from lightning_memtrace.estimator.loop import run_steps
 from lightning_memtrace.estimator.manual import configured
 from lightning_memtrace.estimator.quantization import quantized_layers
-from lightning_memtrace.estimator.remedies import lora_description
+from lightning_memtrace.estimator.remedies import (
+    bnb_optimizers_imported,
+    lora_description,
+    shape_only_quantization_maps,
+)
 from lightning_memtrace.estimator.result import Estimate
 from lightning_memtrace.estimator.tensor_values import FiniteCheckNeeded, values_answered
 from lightning_memtrace.estimator.sharded import (
@@ -274,7 +278,7 @@ def _estimate(
                     raise
                 raise ValueError(_real_tensor_used(error)) from None
     if emulate_cuda:
-        records = _without_host_steps(records, optimizers, allocator)
+        records = _without_host_state(records, optimizers, allocator)
     batch_size, seq_len = batch_dims(batch)
     return Estimate(
         records=tuple(records),
@@ -520,6 +524,28 @@ def _is_fake_parameter(param: Tensor) -> bool:
     return bool(held) and all(is_fake(tensor) for tensor in held)
 
 
+def _made_on_fakes(mode: Any, make: Callable[[], Any]) -> Any:
+    """``make()`` (a factory's or ``configure_optimizers``' optimizers) under the fake mode, bitsandbytes' 8-bit
+    optimizers with quantization maps of shapes only (:func:`~.remedies.shape_only_quantization_maps`); made again
+    where ``make`` imported bitsandbytes itself, so its maps could not be shapes only the first time."""
+    imported = bnb_optimizers_imported()
+    try:
+        try:
+            with mode, shape_only_quantization_maps():
+                return make()
+        except value_dependent_errors():
+            if imported or not bnb_optimizers_imported():
+                raise
+        with mode, shape_only_quantization_maps():
+            return make()
+    except value_dependent_errors() as error:
+        frame = format_frame(asking_frame(traceback_frames(error, depth=128, own_frames=True)))
+        raise ValueError(
+            f"the optimizer reads tensor values when it is made, which an estimate on fake tensors does not have "
+            f"({error}, at {frame})"
+        ) from None
+
+
 def _build_optimizer(
     model: nn.Module,
     original: nn.Module,
@@ -530,12 +556,12 @@ def _build_optimizer(
 ) -> torch.optim.Optimizer:
     """The optimizer on the fake parameters: the factory's, the LightningModule's, or AdamW(lr=1e-3); ``original``:
     the module ``model`` was copied from."""
-    with mode:
-        if optimizer_factory is not None:
-            optimizer = _first_optimizer(optimizer_factory(model))
-        elif lightning:
-            optimizer = _first_optimizer(model.configure_optimizers())
-        else:
+    if optimizer_factory is not None:
+        optimizer = _first_optimizer(_made_on_fakes(mode, lambda: optimizer_factory(model)))
+    elif lightning:
+        optimizer = _first_optimizer(_made_on_fakes(mode, model.configure_optimizers))
+    else:
+        with mode:
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     optimizer = _on_the_copy(optimizer, original, model)
     if target.type == "cuda":
@@ -554,9 +580,8 @@ def _build_manual_optimizers(
     """Under manual optimization: every optimizer on the fake parameters and the schedulers' configs, from the
     factory or the LightningModule's ``configure_optimizers``. A scheduler of an optimizer that had to be made anew
     over the copy's parameters (see :func:`_on_the_copy`) is left out: it steps the run's own."""
-    with mode:
-        returned = optimizer_factory(model) if optimizer_factory is not None else model.configure_optimizers()
-    optimizers, scheduler_configs = configured(returned)
+    make = (lambda: optimizer_factory(model)) if optimizer_factory is not None else model.configure_optimizers
+    optimizers, scheduler_configs = configured(_made_on_fakes(mode, make))
     if not optimizers:
         raise ValueError("configure_optimizers returned no optimizer")
     on_copy = [_on_the_copy(optimizer, original, model) for optimizer in optimizers]
@@ -598,15 +623,35 @@ def _step_tensors(optimizer: torch.optim.Optimizer) -> dict[int, torch.UntypedSt
     return unique_storages(steps)
 
 
-def _without_host_steps(
+#: Elements from which a bitsandbytes paged optimizer keeps a parameter's state in CUDA managed memory (its
+#: ``get_state_buffer``: ``p.numel() < 1e5`` stays an ordinary device tensor).
+_BNB_PAGED_MIN_NUMEL = 100_000
+
+
+def _paged_buffers(optimizer: torch.optim.Optimizer) -> dict[int, torch.UntypedStorage]:
+    """A bitsandbytes paged optimizer's state buffers that CUDA would page (``state1``/``state2`` of a parameter of at
+    least :data:`_BNB_PAGED_MIN_NUMEL` elements, as its ``get_state_buffer`` decides): CUDA managed memory, which the
+    caching allocator never counts and the driver evicts to the host under pressure."""
+    if not getattr(optimizer, "is_paged", False):
+        return {}
+    buffers: list[Tensor] = []
+    for param, state in optimizer.state.items():
+        if isinstance(param, Tensor) and param.numel() >= _BNB_PAGED_MIN_NUMEL and isinstance(state, Mapping):
+            buffers.extend(state[k] for k in ("state1", "state2") if isinstance(state.get(k), Tensor))
+    return unique_storages(buffers)
+
+
+def _without_host_state(
     records: list[PhaseRecord],
     optimizers: Sequence[torch.optim.Optimizer],
     allocator: ModelledCudaAllocator | None = None,
 ) -> list[PhaseRecord]:
-    """On CUDA, Adam's ``step`` scalars are host tensors: take them out of the stand-in CPU measurement (where the
-    caching allocator was modelled, their blocks out of allocated and peak; the small segments they shared with
-    device tensors stay reserved)."""
+    """On CUDA, optimizer state outside the caching allocator: Adam's ``step`` scalars (host tensors) and a paged
+    optimizer's paged buffers (:func:`_paged_buffers`). Taken out of the stand-in CPU measurement from the first
+    optimizer step on (where the caching allocator was modelled, their blocks out of allocated and peak; the small
+    segments they shared with device tensors stay reserved)."""
     storages = [s for o in optimizers if _steps_on_host(o) for s in _step_tensors(o).values()]
+    storages += [s for o in optimizers for s in _paged_buffers(o).values()]
     if not storages:
         return records
     host = sum(s.nbytes() for s in storages)
