@@ -494,6 +494,17 @@ def _first_optimizer(configured: Any) -> torch.optim.Optimizer:
     raise ValueError(f"no optimizer in what configure_optimizers returned ({type(configured).__name__})")
 
 
+def _in_train_mode(optimizer: torch.optim.Optimizer, mode: Any) -> torch.optim.Optimizer:
+    """The optimizer, put in train mode where it has one that is off: a schedule-free optimizer (``schedulefree``'s,
+    whose groups say ``train_mode``) refuses to step until ``optimizer.train()``, which a run calls in one of the
+    module's hooks before its first step (hooks the estimate does not run)."""
+    train_mode_off = any(group.get("train_mode") is False for group in optimizer.param_groups)
+    if train_mode_off and callable(getattr(optimizer, "train", None)):
+        with mode:
+            optimizer.train()
+    return optimizer
+
+
 def _on_the_copy(optimizer: torch.optim.Optimizer, original: nn.Module, model: nn.Module) -> torch.optim.Optimizer:
     """The optimizer, or where it holds the original module's parameters, a new one of its class over the copy's.
 
@@ -563,7 +574,7 @@ def _build_optimizer(
     else:
         with mode:
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    optimizer = _on_the_copy(optimizer, original, model)
+    optimizer = _in_train_mode(_on_the_copy(optimizer, original, model), mode)
     if target.type == "cuda":
         # torch picks foreach kernels for plain CUDA tensors only; fake tensors would get the single-tensor path.
         _use_cuda_defaults(optimizer)
@@ -584,7 +595,7 @@ def _build_manual_optimizers(
     optimizers, scheduler_configs = configured(_made_on_fakes(mode, make))
     if not optimizers:
         raise ValueError("configure_optimizers returned no optimizer")
-    on_copy = [_on_the_copy(optimizer, original, model) for optimizer in optimizers]
+    on_copy = [_in_train_mode(_on_the_copy(optimizer, original, model), mode) for optimizer in optimizers]
     replaced = {id(old) for old, new in zip(optimizers, on_copy) if old is not new}
     scheduler_configs = [c for c in scheduler_configs if id(getattr(c.scheduler, "optimizer", None)) not in replaced]
     if target.type == "cuda":
