@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pickle
 
 import torch
@@ -194,3 +195,27 @@ def test_a_run_that_ends_before_the_window_gets_one_over_its_last_steps(tmp_path
         snapshot = pickle.load(handle)
     assert snapshot["memtrace"]["steps"] == [0, 0]
     assert any(e["action"] == "alloc" for e in snapshot["device_traces"][0])
+
+
+def test_a_callbacks_own_memory_is_blamed_on_its_code_not_on_the_fit_call(tmp_path, capsys):
+    """Lightning's ``EMAWeightAveraging`` updates its averaged copy after each batch: torch's ``ema_update`` makes a
+    temporary per weight there, the run's highest point. The site that holds them is that code, not the line that
+    called ``trainer.fit``."""
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+    from lm_helpers import MLP, trainer
+
+    from lightning_memtrace import MemTrace
+    from lightning_memtrace.cli import main
+
+    callback = MemTrace(report=False)
+    module = MLP(width=256)
+    trainer(tmp_path, [callback, EMAWeightAveraging()], max_steps=4).fit(module)
+    assert main(["summary", str(callback.output_dir), "--json", "--sites", "100000"]) == 0
+    (device,) = json.loads(capsys.readouterr().out)["devices"]
+    top = device["sites"][0]
+    assert top["site"].endswith("torch/optim/swa_utils.py:" + top["site"].rsplit(":", 1)[1])
+    assert top["function"] == "ema_update" and top["category"] == "other"
+    # one temporary per weight matrix the update touches at a time (256 x 256 float32 at most), several of them
+    assert top["bytes"] >= 256 * 256 * 4
+    fit_call = [site for site in device["sites"] if site["site"].startswith(f"{__file__}:")]
+    assert sum(site["bytes"] for site in fit_call) < top["bytes"]  # what Lightning's loops make themselves, no more

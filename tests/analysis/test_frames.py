@@ -14,7 +14,7 @@ from lightning_memtrace.analysis.frames import (
     user_frame,
 )
 from lightning_memtrace.analysis.postmortem import LiveBlock, PostMortem, render_post_mortem
-from lightning_memtrace.analysis.stacks import analyze_frames
+from lightning_memtrace.analysis.stacks import SiteTable, analyze_frames, analyze_lists
 
 USER = "/home/me/project/train.py"
 LIBRARY = [
@@ -132,3 +132,28 @@ def test_post_mortem_and_replay_blame_the_same_line() -> None:
     text = render_post_mortem(pm)
     assert f"failed at:     {USER}:12 in fn2" in text
     assert f"{USER}:12 in fn2" in text.split("largest live allocations:")[1]
+
+
+def test_a_step_of_library_code_alone_is_blamed_on_that_code_not_on_the_fit_call() -> None:
+    """Inside a Lightning step without a user line (an optimizer's step, a callback's weight averaging), the user's
+    line beyond Lightning's loops is only ``trainer.fit(model)``: the site is the step's own library code."""
+    site = "/venv/lib/python3.11/site-packages"
+    fit = [f"{site}/lightning/pytorch/trainer/call.py", f"{site}/lightning/pytorch/loops/fit_loop.py", USER]
+    ema = _frames(f"{site}/torch/_tensor.py", f"{site}/torch/optim/swa_utils.py",
+                  f"{site}/lightning/pytorch/callbacks/weight_averaging.py", *fit)
+    assert user_frame(ema) is ema[1]  # torch's machinery (torch/_tensor.py) is never the site
+    with_user = _frames(f"{site}/torch/nn/modules/linear.py", "/home/me/project/model.py", *fit)
+    assert user_frame(with_user) is with_user[1]  # a user line inside the step still wins
+    machinery_only = _frames(f"{site}/torch/_tensor.py", *fit)
+    assert user_frame(machinery_only) is machinery_only[-1]  # nothing else: the user's line, as before
+    undriven = _frames(f"{site}/torch/optim/adamw.py", USER)
+    assert user_frame(undriven) is undriven[1]  # a plain loop: the user's line, wherever it is
+    stacks = [ema, with_user, machinery_only, undriven]
+    table = SiteTable()
+    _, codes, _ = analyze_lists(stacks, table)
+    for frames, code in zip(stacks, codes.tolist()):
+        picked = user_frame(frames)
+        expected = (picked["filename"], picked["line"], picked["name"])
+        one = analyze_frames(frames).site
+        many = table.sites[code]
+        assert (one.file, one.line, one.function) == (many.file, many.line, many.function) == expected

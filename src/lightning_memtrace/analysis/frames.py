@@ -46,16 +46,29 @@ def is_library_file(filename: str) -> bool:
 
 
 def user_frame(frames: list[Frame] | None) -> Frame | None:
-    """The innermost frame outside the library (see :func:`is_library_file`): the line a user would change; else the
-    innermost Python frame; else the innermost frame."""
+    """The line a user would change: the innermost frame outside the library (see :func:`is_library_file`) inside the
+    training step, that is, before the first frame of what drives the step (:func:`is_driver_file`). Where the step's
+    code is all library code (an optimizer's step, a Lightning callback's weight averaging), the innermost library
+    frame there outside torch's machinery (:func:`is_machinery_file`): a user frame beyond the driver only called it
+    (``trainer.fit(model)``). Else the innermost frame outside the library; else the innermost Python frame; else the
+    innermost frame."""
     if not frames:
         return None
-    for frame in frames:
-        if not is_library_file(str(frame.get("filename", ""))):
+    names = [normalize_path(str(frame.get("filename", ""))) for frame in frames]
+    driver_at = next((k for k, name in enumerate(names) if is_driver_file(name)), len(frames))
+    inside = range(driver_at)
+    for k in inside:
+        if not is_library_file(names[k]):
+            return frames[k]
+    if driver_at < len(frames):
+        for k in inside:
+            if names[k].endswith(".py") and not is_machinery_file(names[k]):
+                return frames[k]
+    for frame, name in zip(frames, names):
+        if not is_library_file(name):
             return frame
-    for frame in frames:
-        filename = str(frame.get("filename", ""))
-        if filename.endswith(".py"):
+    for frame, name in zip(frames, names):
+        if name.endswith(".py"):
             return frame
     return frames[0]
 
@@ -68,6 +81,16 @@ _MACHINERY_RE = re.compile(r"/torch/(_[^/]*|utils/_[^/]*|overrides\.py)(/|$)|/li
 _DRIVER_RE = re.compile(r"/(lightning|pytorch_lightning|lightning_fabric)/|/lightning_memtrace/estimator/loop\.py$")
 
 
+def is_machinery_file(filename: str) -> bool:
+    """Whether a frame's file is torch's machinery or MemTrace's: never the code that asked (:data:`_MACHINERY_RE`)."""
+    return _MACHINERY_RE.search(normalize_path(filename)) is not None
+
+
+def is_driver_file(filename: str) -> bool:
+    """Whether a frame's file drives the training step (Lightning, the estimate's loop, see :data:`_DRIVER_RE`)."""
+    return _DRIVER_RE.search(normalize_path(filename)) is not None
+
+
 def asking_frame(frames: list[Frame] | None) -> Frame | None:
     """The code that asked for what an error is about, innermost first: the user's line inside the step where there
     is one (``loss.item()`` in ``training_step``, also when a library it called asked), else the innermost library
@@ -76,9 +99,9 @@ def asking_frame(frames: list[Frame] | None) -> Frame | None:
     library = None
     for frame in frames or ():
         filename = normalize_path(str(frame.get("filename", "")))
-        if _DRIVER_RE.search(filename):
+        if is_driver_file(filename):
             break
-        if not filename.endswith(".py") or _MACHINERY_RE.search(filename):
+        if not filename.endswith(".py") or is_machinery_file(filename):
             continue
         if not is_library_file(filename):
             return frame

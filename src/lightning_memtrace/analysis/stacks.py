@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 
 from lightning_memtrace.analysis.events import first_positions
-from lightning_memtrace.analysis.frames import is_library_file, normalize_path
+from lightning_memtrace.analysis.frames import is_driver_file, is_library_file, is_machinery_file, normalize_path
 from lightning_memtrace.types import CATEGORIES, Category, Stage
 
 #: Stage codes: positions in :class:`~lightning_memtrace.types.Stage`.
@@ -58,6 +58,8 @@ class FrameInfo:
 
 #: F_OTHER: memory of no category, by where it is made: a CUDA library's workspace, DDP's gradient buckets.
 F_BWD, F_OPT, F_ZG, F_INIT, F_FWD, F_OTHER = 1, 2, 4, 8, 16, 32
+#: Not a stage: the frame drives the training step (Lightning's, see :func:`~.frames.is_driver_file`).
+F_DRIVER = 64
 #: DDP's methods that make its gradient buckets: when it wraps the model, and again before the second forward.
 _DDP_FILE = "/torch/nn/parallel/distributed.py"
 _DDP_BUCKET_MAKERS = frozenset({"__init__", "_ddp_init_helper", "_pre_forward", "_rebuild_buckets"})
@@ -75,9 +77,10 @@ _ALLOCATOR_WORDS = (
     "resize",
 )
 
-#: One frame → (flags, user site, library site, autograd node name, C++ caller name)
-FrameFacts = tuple[int, "Site | None", "Site | None", "str | None", "str | None"]
-_NO_FACTS: FrameFacts = (0, None, None, None, None)
+#: One frame → (flags, user site, library site, autograd node name, C++ caller name, step library site: a library
+#: Python frame outside torch's machinery, what :func:`~.frames.user_frame` picks inside a step of library code alone)
+FrameFacts = tuple[int, "Site | None", "Site | None", "str | None", "str | None", "Site | None"]
+_NO_FACTS: FrameFacts = (0, None, None, None, None, None)
 
 
 def _line_number(value: Any) -> int:
@@ -119,12 +122,12 @@ def _native_facts(name: str) -> FrameFacts:
     if "Workspace" in name and "cuda" in name:
         cublas = "blas" in name.lower() or "getNewWorkspace" in name  # torch's cuBLAS workspace maker
         site = CUBLAS_WORKSPACE_SITE if cublas else CUDA_WORKSPACE_SITE
-        return (flags | F_OTHER, site, None, None, None)
+        return (flags | F_OTHER, site, None, None, None, None)
     node = name if ("Backward" in name and "::apply" in name) else None
     caller = None
     if name and not any(k in name for k in _ALLOCATOR_WORDS):
         caller = name.replace("(anonymous namespace)::", "").split("(")[0][:120] or None
-    return (flags, None, None, node, caller)
+    return (flags, None, None, node, caller, None)
 
 
 def _text(value: Any) -> str:
@@ -144,9 +147,12 @@ def frame_facts(frame: Any) -> FrameFacts:
     if not filename.endswith(".py"):
         return _native_facts(name)
     site = Site(filename, _line_number(frame.get("line")), name)
+    flags = _python_flags(name, filename)
+    if is_driver_file(filename):
+        flags |= F_DRIVER
     if is_library_file(filename):
-        return (_python_flags(name, filename), None, site, None, None)
-    return (_python_flags(name, filename), site, None, None, None)
+        return (flags, None, site, None, None, None if is_machinery_file(filename) else site)
+    return (flags, site, None, None, None, None)
 
 
 def stage_of_flags(flags: int) -> int:
@@ -205,35 +211,43 @@ def analyze_frames(frames: Sequence[dict[str, Any]] | None, table: SiteTable | N
         return FrameInfo(S_OUT, UNKNOWN_SITE)
     table = table if table is not None else SiteTable()
     flags = 0
-    found: list[Any] = [None, None, None, None]  # user site, library site, node, caller
+    found: list[Any] = [None, None, None, None, None]  # user site, library site, node, caller, step library site
+    in_step: list[Any] = [None, None]  # user site, step library site, before the first driver frame
     for frame in frames:
         facts = table.facts_of(frame)
+        if facts[0] & F_DRIVER and not flags & F_DRIVER:
+            in_step = [found[0], found[4]]
         flags |= facts[0]
-        for k in range(4):
+        for k in range(5):
             if found[k] is None:
                 found[k] = facts[k + 1]
-    user, library_py, node, caller = found
-    site = user or library_py
+    user, library_py, node, caller, _ = found
+    if flags & F_DRIVER:  # the frame user_frame picks: a user line inside the step, else its library code's
+        site = in_step[0] or in_step[1] or user or library_py
+    else:
+        site = user or library_py
     if site is None:
         site = node_site(node) if node is not None else (Site("", 0, caller) if caller is not None else UNKNOWN_SITE)
-    return FrameInfo(stage_of_flags(flags), site, _OTHER_CODE if flags & F_OTHER else -1)
+    return FrameInfo(stage_of_flags(flags & ~F_DRIVER), site, _OTHER_CODE if flags & F_OTHER else -1)
 
 
 def _unique_frame_facts(
     all_frames: list[Any], frame_codes: np.ndarray, count: int, table: SiteTable
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Flags and the four candidate site codes (user, library, node, caller; -1: none) of each distinct frame."""
+    """Flags and the five candidate site codes (user, library, node, caller, step library; -1: none) of each distinct
+    frame."""
     first = first_positions(frame_codes, count)
     u_flags = np.zeros(count, dtype=np.int64)
-    u_sites = np.full((4, count), -1, dtype=np.int64)
+    u_sites = np.full((5, count), -1, dtype=np.int64)
     for k, pos in enumerate(first.tolist()):
-        flags, user, library, node, caller = table.facts_of(all_frames[pos])
+        flags, user, library, node, caller, step_library = table.facts_of(all_frames[pos])
         u_flags[k] = flags
         candidates = (
             user,
             library,
             node_site(node) if node is not None else None,
             Site("", 0, caller) if caller else None,
+            step_library,
         )
         for kind, candidate in enumerate(candidates):
             if candidate is not None:
@@ -366,11 +380,25 @@ def analyze_lists(lists: list[Any], table: SiteTable) -> tuple[np.ndarray, np.nd
     forced = np.where(flags & F_OTHER > 0, _OTHER_CODE, -1).astype(np.int16)
     positions = np.arange(total, dtype=np.int64)
     big = np.int64(total + 1)
+
+    def first_where(present: np.ndarray) -> np.ndarray:
+        """Per list, the position (in all frames) of its first frame where ``present``; ``big`` where none is."""
+        first_pos = np.full(m, big, dtype=np.int64)
+        first_pos[nonempty] = np.minimum.reduceat(np.where(present, positions, big), starts)
+        return first_pos
+
     chosen = np.full(m, -1, dtype=np.int64)
+    # Inside the step (before the first driver frame, where there is one): a user line, else its library code's.
+    driver_pos = first_where(u_flags[frame_codes] & F_DRIVER > 0)
+    driven = driver_pos < big
+    for kind in (0, 4):
+        per_frame = u_sites[kind][frame_codes]
+        first_pos = first_where(per_frame >= 0)
+        take = driven & (chosen < 0) & (first_pos < driver_pos)
+        chosen[take] = per_frame[first_pos[take]]
     for kind in range(4):
         per_frame = u_sites[kind][frame_codes]
-        first_pos = np.full(m, big, dtype=np.int64)
-        first_pos[nonempty] = np.minimum.reduceat(np.where(per_frame >= 0, positions, big), starts)
+        first_pos = first_where(per_frame >= 0)
         take = (chosen < 0) & (first_pos < big)
         chosen[take] = per_frame[first_pos[take]]
     site = np.where(chosen >= 0, chosen, site).astype(np.int32)
