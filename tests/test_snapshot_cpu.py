@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pickle
+from pathlib import Path
 
 import torch
 from torch.cuda import _memory_viz
@@ -219,3 +220,11 @@ def test_a_callbacks_own_memory_is_blamed_on_its_code_not_on_the_fit_call(tmp_pa
     assert top["bytes"] >= 256 * 256 * 4
     fit_call = [site for site in device["sites"] if site["site"].startswith(f"{__file__}:")]
     assert sum(site["bytes"] for site in fit_call) < top["bytes"]  # what Lightning's loops make themselves, no more
+    # the peak is between two training passes (the callback's batch end), said as such
+    from lightning_memtrace.analysis.findings import peak_finding
+    from lightning_memtrace.analysis.loader import load_snapshot
+    from lightning_memtrace.analysis.replay import replay
+
+    (snapshot,) = sorted(Path(callback.output_dir).glob("snapshot_rank0_*.pickle"))
+    (finding,) = peak_finding(replay(load_snapshot(snapshot)))
+    assert " outside a training pass, in step " in finding.message and "in outside" not in finding.message

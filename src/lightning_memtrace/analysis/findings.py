@@ -65,6 +65,8 @@ def _function_note(row: pd.Series) -> str:
 
 def _where(stage: str, step: int) -> str:
     words = Stage(stage).words if stage in STAGES else stage
+    if stage == Stage.OUTSIDE.value:  # not a part of the step: "outside a training pass, in step 3"
+        return f"{words}, in step {step}" if step >= 0 else words
     return f"in {words} of step {step}" if step >= 0 else f"in {words}"
 
 

@@ -164,10 +164,17 @@ class DispatchBackend:
     def active(self) -> bool:
         return self._mode is not None
 
+    def probe_grad_sums(self) -> None:
+        """Learn how autograd sums gradients here (:class:`GradSums`), once: before the mode is entered, so that the
+        probe's tensors are not counted, and best before any allocator-reports session too (the tracker's
+        :meth:`~lightning_memtrace.capture.tracker.AllocationTracker.start`): the probe at a history window's opening
+        put frameless blocks at the start of the process's first window snapshot."""
+        if self.grad_sums is None:
+            self.grad_sums = GradSums.probe()
+
     def start(self) -> None:
         if self._mode is None:
-            if self.grad_sums is None:
-                self.grad_sums = GradSums.probe()  # before the mode is entered: the probe is not counted
+            self.probe_grad_sums()
             counting = self._frames_into is None
             compiles = not counting or self.compiled_code_compiles
             if counting and compiles and self.on_compile is not None:

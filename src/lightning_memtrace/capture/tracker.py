@@ -125,6 +125,7 @@ class AllocationTracker:
     def start(self) -> None:
         if self.active:
             return
+        self._dispatch.probe_grad_sums()  # its tensors: neither counted nor in the reports
         if self.requested_backend != "dispatch":
             try:
                 self._reports.start()
