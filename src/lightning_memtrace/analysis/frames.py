@@ -46,31 +46,40 @@ def is_library_file(filename: str) -> bool:
 
 
 def user_frame(frames: list[Frame] | None) -> Frame | None:
-    """The line a user would change: the innermost frame outside the library (see :func:`is_library_file`) inside the
-    training step, that is, before the first frame of what drives the step (:func:`is_driver_file`). Where the step's
-    code is all library code (an optimizer's step, a Lightning callback's weight averaging), the innermost library
-    frame there outside torch's machinery (:func:`is_machinery_file`): a user frame beyond the driver only called it
-    (``trainer.fit(model)``). Else the innermost frame outside the library; else the innermost Python frame; else the
-    innermost frame."""
+    """The line a user would change, as :mod:`~lightning_memtrace.analysis.stacks` names an allocation's site: where
+    a frame drives the training step (:func:`is_driver_file`), the step's own code before it (:func:`_in_step`): a
+    user frame beyond the driver only called the step (``trainer.fit(model)``). Else the innermost Python frame
+    outside the library (see :func:`is_library_file`); else the innermost Python frame; else the innermost frame (a
+    C++ frame, such as torch's ``memory_snapshot.cpp`` recording the stack, is never the user's line)."""
     if not frames:
         return None
     names = [normalize_path(str(frame.get("filename", ""))) for frame in frames]
-    driver_at = next((k for k, name in enumerate(names) if is_driver_file(name)), len(frames))
-    inside = range(driver_at)
-    for k in inside:
-        if not is_library_file(names[k]):
-            return frames[k]
-    if driver_at < len(frames):
-        for k in inside:
-            if names[k].endswith(".py") and not is_machinery_file(names[k]):
-                return frames[k]
-    for frame, name in zip(frames, names):
+    if any(map(is_driver_file, names)):
+        in_step = _in_step(frames, names)
+        if in_step is not None:
+            return in_step
+    python = [(frame, name) for frame, name in zip(frames, names) if name.endswith(".py")]
+    for frame, name in python:
         if not is_library_file(name):
             return frame
+    return python[0][0] if python else frames[0]
+
+
+def _in_step(frames: list[Frame], names: list[str]) -> Frame | None:
+    """Inside the training step (before the first frame that drives it; the whole stack where none does): the
+    innermost user Python frame, else the innermost library Python frame outside torch's machinery; None where there
+    is neither. ``names``: the frames' file names, normalized."""
+    library = None
     for frame, name in zip(frames, names):
-        if name.endswith(".py"):
+        if is_driver_file(name):
+            break
+        if not name.endswith(".py") or is_machinery_file(name):
+            continue
+        if not is_library_file(name):
             return frame
-    return frames[0]
+        if library is None:
+            library = frame
+    return library
 
 
 #: Where torch's own machinery runs (dispatch, fake tensors, dynamo's wrappers) and MemTrace's: never the code
@@ -96,18 +105,10 @@ def asking_frame(frames: list[Frame] | None) -> Frame | None:
     is one (``loss.item()`` in ``training_step``, also when a library it called asked), else the innermost library
     frame outside torch's machinery and MemTrace (``torch/optim/lbfgs.py`` reading the loss in the optimizer's
     step), else as :func:`user_frame`."""
-    library = None
-    for frame in frames or ():
-        filename = normalize_path(str(frame.get("filename", "")))
-        if is_driver_file(filename):
-            break
-        if not filename.endswith(".py") or is_machinery_file(filename):
-            continue
-        if not is_library_file(filename):
-            return frame
-        if library is None:
-            library = frame
-    return library if library is not None else user_frame(frames)
+    if not frames:
+        return None
+    in_step = _in_step(frames, [normalize_path(str(frame.get("filename", ""))) for frame in frames])
+    return in_step if in_step is not None else user_frame(frames)
 
 
 def format_frame(frame: Frame | None) -> str:
