@@ -190,18 +190,18 @@ class DispatchBackend:
     def stop(self) -> None:
         self.backward_done()
         fork_guard.unguard(self)
-        mode, self._mode = self._mode, None
-        resizes_seen, self._resizes_seen = self._resizes_seen, None
-        if resizes_seen is not None:
-            resizes_seen.close()
+        mode = self._let_go()
         if mode is not None:
             mode.__exit__(None, None, None)
-        unwatch, self._unwatch_compiles = self._unwatch_compiles, None
-        if unwatch is not None:
-            unwatch()
 
     def after_fork_in_child(self) -> None:
         """A forked child (a DataLoader worker) runs its operators without the mode, which nothing there will exit."""
+        mode = self._let_go()
+        if mode is not None:
+            torch_private.drop_dispatch_mode(mode)
+
+    def _let_go(self) -> _TrackerMode | None:
+        """Stop watching dynamo's compiles and FSDP2's resizes; return the mode, no longer this backend's, to leave."""
         unwatch, self._unwatch_compiles = self._unwatch_compiles, None
         if unwatch is not None:
             unwatch()
@@ -209,8 +209,7 @@ class DispatchBackend:
         resizes_seen, self._resizes_seen = self._resizes_seen, None
         if resizes_seen is not None:
             resizes_seen.close()
-        if mode is not None:
-            torch_private.drop_dispatch_mode(mode)
+        return mode
 
     def watch_backward(self, loss: Tensor) -> None:
         """Before ``loss.backward()`` under the mode: the engine's sums of two gradients made as without it."""
