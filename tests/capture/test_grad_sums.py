@@ -172,3 +172,23 @@ def test_a_failure_telling_a_sum_leaves_the_backward_as_the_mode_makes_it(monkey
     monkeypatch.setattr("lightning_memtrace.capture.torch_private.reference_counts", unreadable)
     peak, grad = _loop_backward(AllocationTracker("cpu", backend="dispatch"), watch=True)
     assert peak == expected_peak and torch.equal(grad, expected_grad)
+
+
+def test_anomaly_mode_neither_warns_nor_loses_the_in_place_sums(monkeypatch):
+    """``Trainer(detect_anomaly=True)``: the probe's meta gradients cannot be checked for NaN. Checked, the probe
+    failed (sums out of place for the whole process) and anomaly mode showed its traceback as a warning."""
+    import warnings
+
+    from lightning_memtrace.capture import grad_sums
+
+    monkeypatch.setattr(grad_sums, "_LAST_REFERENCE", {})
+    with torch.autograd.set_detect_anomaly(True), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert GradSums.probe() is not None
+        unmoded_peak, expected_grad = _loop_backward(AllocationTracker("cpu", backend="reports"), watch=True)
+        moded_peak, grad = _loop_backward(AllocationTracker("cpu", backend="dispatch"), watch=True)
+    assert [str(w.message)[:40] for w in caught] == []
+    # 425,995 B against 425,993 B on torch 2.13: the NaN check's boolean reductions keep a byte or two inside their
+    # kernels, which no dispatch mode sees (out of place, the mode's peak was a hidden state higher)
+    assert 0 <= unmoded_peak - moded_peak <= 8
+    assert torch.equal(grad, expected_grad)

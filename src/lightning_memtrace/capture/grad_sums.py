@@ -88,7 +88,9 @@ class GradSums:
         new (``sin`` and ``cos``), which the engine sums in place. Call it before entering the mode (the probe's
         tensors are on the meta device: nothing real is allocated). None where it cannot be told on this torch."""
         try:
-            with torch.inference_mode(False), torch.enable_grad():  # wherever the tracker starts
+            # Anomaly mode (``Trainer(detect_anomaly=True)``) would check the meta gradients for NaN, fail, and show
+            # the user a warning with this probe's traceback.
+            with torch.inference_mode(False), torch.enable_grad(), torch.autograd.set_detect_anomaly(False):
                 leaf = torch.empty(8, device="meta", requires_grad=True)
                 tensor_type = type(leaf)
                 if tensor_type not in _LAST_REFERENCE:
