@@ -483,3 +483,35 @@ def test_the_window_closes_after_the_last_step_not_after_the_validation_that_fol
         header = pickle.load(handle)["memtrace"]
     phases = [(mark["step"], mark["phase"]) for mark in header["phases"]]
     assert phases[0] == (last, "batch_start") and ("val_batch_start" not in {phase for _, phase in phases})
+
+
+class _KeepsOutputsAfterBackward(MLP):
+    """Batch norm (which saves its running statistics, buffers, for the backward), a hidden state kept on the module
+    after the backward (saved by the last layer), and a graph no backward goes through (``exp`` saves its output)."""
+
+    def __init__(self) -> None:
+        super().__init__(width=64)
+        self.net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.BatchNorm1d(64), torch.nn.ReLU())
+        self.head = torch.nn.Linear(64, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.hidden = self.net(x)
+        self.pending = self.hidden.exp()
+        return torch.nn.functional.mse_loss(self.head(self.hidden), y)
+
+
+@pytest.mark.parametrize("allocation_backend", ["reports", "dispatch"])
+def test_storages_stop_counting_as_activations_once_autograd_lets_go_of_them(tmp_path, allocation_backend):
+    callback = MemTrace(allocation_backend=allocation_backend, history=False)
+    module = _KeepsOutputsAfterBackward()
+    trainer(tmp_path, [callback], max_steps=2).fit(module)
+    rows = load_phases(callback.output_dir).set_index(["step", "phase"])
+    hidden_bytes = 16 * 64 * 4
+    # after the forward: the saved hidden states, the running statistics and the pending graph's output among them
+    assert rows.loc[(1, "after_forward"), "activations_bytes"] >= 2 * hidden_bytes + 2 * 64 * 4
+    for phase in ("after_backward", "after_optimizer_step", "batch_end"):
+        # the backward let go of all it used: only the pending graph's saved output is held for a backward still
+        # (the hidden state and the running statistics live on, as other)
+        assert rows.loc[(1, phase), "activations_bytes"] == hidden_bytes
+        assert rows.loc[(1, phase), "other_bytes"] >= hidden_bytes + 2 * 64 * 4

@@ -86,8 +86,9 @@ class MemTrace(Callback):
       scales and code tables too: bitsandbytes' 4-bit and 8-bit layers)
     - ``gradients_bytes``: storages of the parameters' ``.grad``
     - ``optimizer_state_bytes``: storages in the optimizers' ``state`` on this device
-    - ``activations_bytes``: storages autograd saved for backward in this step and still alive (not parameters or
-      inputs)
+    - ``activations_bytes``: storages autograd saved for backward in this step and holds for a backward still (not
+      parameters or inputs; once the backward that used them is done, what lives on, such as batch norm's running
+      statistics or an output the step keeps, is ``other_bytes``)
     - ``inputs_bytes``: storages of the batch's tensors on the device
     - ``other_bytes``: allocated minus the categories above, never negative
     - ``run``: the fit's id (UTC start time and a random suffix, the same on every rank, kept on resume): fits

@@ -37,18 +37,32 @@ _NBYTES = torch.UntypedStorage.nbytes
 _CATEGORIES = tuple(Category)
 
 
+class _Saved:
+    """What autograd keeps for one tensor saved under MemTrace's hooks: the tensor (or what the user's own hooks made
+    of it) and its version then. Weakly referenced by the recorder: once autograd lets go of it (the backward that used
+    it is done, or the graph is dropped), its storage no longer counts as saved, though the storage may live on (a
+    batch norm's running statistics, an output the step returns)."""
+
+    __slots__ = ("packed", "version", "__weakref__")
+
+    def __init__(self, packed: Any, version: int | None) -> None:
+        self.packed = packed
+        self.version = version
+
+
 class SavedTensorsRecorder:
-    """Remembers the storages autograd saves for backward, through ``saved_tensors_hooks``.
+    """Remembers the storages autograd saves for backward, through ``saved_tensors_hooks``, while autograd keeps them.
 
     The hooks are pushed with :meth:`push` before a forward and popped with :meth:`pop` after it; the tensors' data is
     untouched and kept no longer than autograd keeps it (see :meth:`_pack`), and only weak references to their storages
-    are kept here.
+    and to what autograd holds for them are kept here.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = normalize_device(device)
         self._on_cpu = self.device.type == "cpu"
-        self._saved: dict[int, weakref.ref] = {}
+        #: storage key -> (the storage, what holds it for a backward: autograd's saved objects, SAC's wrappers)
+        self._saved: dict[int, tuple[weakref.ref, list[weakref.ref]]] = {}
         self._hooks: Any = None
         # The user's hooks in force beneath MemTrace's, which its own hand each tensor on to.
         self._outer: tuple[Any, Any] | None = None
@@ -62,15 +76,18 @@ class SavedTensorsRecorder:
     def clear(self) -> None:
         self._saved.clear()
 
-    def _note(self, tensor: Tensor) -> None:
+    def _note(self, tensor: Tensor, holder: Any) -> None:
+        """``tensor`` is saved for a backward for as long as ``holder`` lives."""
         try:
             # `is_cpu` reads a flag where `.device` builds a device object (this runs for every saved tensor).
             if tensor.is_cpu if self._on_cpu and type(tensor) in PLAIN_TENSORS else tensor.device == self.device:
                 storage = tensor.untyped_storage()
                 key = storage._cdata
-                ref = self._saved.get(key)
-                if ref is None or ref() is not storage:
-                    self._saved[key] = weakref.ref(storage)
+                entry = self._saved.get(key)
+                if entry is None or entry[0]() is not storage:
+                    self._saved[key] = (weakref.ref(storage), [weakref.ref(holder)])
+                else:
+                    entry[1].append(weakref.ref(holder))
         except Exception:  # noqa: S110
             # Runs inside autograd for every saved tensor of the user's forward: an odd tensor (no storage, a
             # subclass) is left unmeasured rather than failing the forward.
@@ -85,20 +102,21 @@ class SavedTensorsRecorder:
         for good. Autograd itself keeps such outputs without their history. The version: under hooks autograd no longer
         checks that a saved tensor was not modified in place, so :meth:`_unpack` checks it as autograd would have.
         """
-        self._note(tensor)
         try:
             version = tensor._version
             if tensor.requires_grad and not tensor.is_leaf:
                 tensor = tensor.detach()  # the same storage and version counter, no history
         except Exception:  # an inference tensor has no version counter: kept as it is, unchecked
-            return tensor, None
-        return tensor, version
+            version = None
+        saved = _Saved(tensor, version)
+        self._note(tensor, saved)
+        return saved
 
     @staticmethod
-    def _unpack(packed: tuple[Tensor, int | None]) -> Tensor:
+    def _unpack(saved: _Saved) -> Tensor:
         # runs on the thread that runs the backward: a CUDA backward's allocations get the phase tag there too
         cuda_history.carry_allocation_tag()
-        tensor, version = packed
+        tensor, version = saved.packed, saved.version
         if version is not None and tensor._version != version:
             raise RuntimeError(
                 "one of the variables needed for gradient computation has been modified by an inplace operation: "
@@ -110,12 +128,13 @@ class SavedTensorsRecorder:
 
     def _pack_then_theirs(self, tensor: Tensor) -> Any:
         # The user's hooks get the tensor as autograd hands it over (and under theirs autograd checks no version).
-        self._note(tensor)
-        return self._outer[0](tensor)
+        saved = _Saved(self._outer[0](tensor), None)
+        self._note(tensor, saved)
+        return saved
 
-    def _unpack_theirs(self, packed: Any) -> Any:
+    def _unpack_theirs(self, saved: _Saved) -> Any:
         cuda_history.carry_allocation_tag()
-        return self._outer[1](packed)
+        return self._outer[1](saved.packed)
 
     def push(self) -> bool:
         """Push the hooks; where saved-tensor hooks of the user's are in force already (``save_on_cpu`` around the
@@ -183,10 +202,11 @@ class SavedTensorsRecorder:
             hooks_stand_in.release()
 
     def live_storages(self) -> StorageMap:
+        """The storages saved for a backward now: alive, and held for it still."""
         out: StorageMap = {}
         dead = []
-        for key, ref in self._saved.items():
-            storage = storage_of(ref)
+        for key, (ref, holders) in self._saved.items():
+            storage = storage_of(ref) if any(holder() is not None for holder in holders) else None
             if storage is None:
                 dead.append(key)
             else:

@@ -526,13 +526,14 @@ _VERSION_WRAPPER_INIT: Callable[..., None] | None = None
 def _noted_version_wrapper_init(self: Any, val: Any) -> None:
     _VERSION_WRAPPER_INIT(self, val)  # type: ignore[misc]
     if _SAC_NOTES and isinstance(val, torch.Tensor):
-        _SAC_NOTES[-1](val)
+        _SAC_NOTES[-1](val, self)  # saved for as long as SAC keeps the wrapper
 
 
-def note_sac_saves(note: Callable[[torch.Tensor], None]) -> None:
+def note_sac_saves(note: Callable[[torch.Tensor, Any], None]) -> None:
     """Until :func:`stop_noting_sac_saves`, hand ``note`` each tensor that selective activation checkpointing
-    (``create_selective_checkpoint_contexts``) keeps for the backward: it keeps the outputs its policy saves in a store
-    of its own, each in a ``_VersionWrapper``, which no saved-tensor hook sees. Nothing where this torch has no SAC."""
+    (``create_selective_checkpoint_contexts``) keeps for the backward, and the ``_VersionWrapper`` it keeps it in: it
+    keeps the outputs its policy saves in a store of its own, which no saved-tensor hook sees. Nothing where this
+    torch has no SAC."""
     global _VERSION_WRAPPER_INIT
     wrapper = getattr(sys.modules.get("torch.utils.checkpoint"), "_VersionWrapper", None)
     if wrapper is None:
@@ -543,7 +544,7 @@ def note_sac_saves(note: Callable[[torch.Tensor], None]) -> None:
     _SAC_NOTES.append(note)
 
 
-def stop_noting_sac_saves(note: Callable[[torch.Tensor], None]) -> None:
+def stop_noting_sac_saves(note: Callable[[torch.Tensor, Any], None]) -> None:
     """Stop handing ``note`` the tensors SAC keeps; torch's ``_VersionWrapper`` is as it was once no note is left."""
     global _VERSION_WRAPPER_INIT
     with contextlib.suppress(ValueError):  # never added: a torch without SAC
