@@ -335,3 +335,54 @@ def test_an_out_of_memory_error_the_user_caught_is_not_the_post_mortems(tmp_path
     assert "step:          3 (epoch 0, batch_idx 3)" in text
     with open(callback.output_dir / "oom_rank0_step3.pickle", "rb") as handle:
         assert pickle.load(handle)["memtrace"]["post_mortem"]["requested_bytes"] == 2**60
+
+
+class _OomRaisedAsAnotherError(MLP):
+    """A library turns the out-of-memory error of batch 1 into an error of its own: raised from it (``cause``), while
+    handling it (``context``), or hiding it (``hidden``: ``raise ... from None``)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 1:
+            try:
+                torch.empty(10**15, dtype=torch.uint8)
+            except RuntimeError as error:
+                if self.how == "cause":
+                    raise ValueError("the backend failed to compile the step") from error
+                if self.how == "context":
+                    raise ValueError("the step failed")
+                raise ValueError("the step failed") from None
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("how", ["cause", "context", "hidden"])
+def test_an_out_of_memory_error_raised_as_another_error_gets_its_post_mortem(tmp_path, how):
+    callback = MemTrace(what_if_budget_s=0)
+    with pytest.raises(ValueError, match="the step failed|failed to compile") as info:
+        trainer(tmp_path, [callback], max_steps=3).fit(_OomRaisedAsAnotherError(how))
+    assert type(info.value) is ValueError  # unchanged
+    written = sorted(p.name for p in callback.output_dir.glob("oom_*"))
+    if how == "hidden":
+        assert written == []
+        return
+    assert written == ["oom_rank0_step1.pickle", "oom_rank0_step1.txt"]
+    text = (callback.output_dir / "oom_rank0_step1.txt").read_text()
+    assert "requested:     909.5 TiB (1,000,000,000,000,000 B)" in text
+    assert "can't allocate memory" in text
+    with open(callback.output_dir / "oom_rank0_step1.pickle", "rb") as handle:
+        assert pickle.load(handle)["memtrace"]["post_mortem"]["requested_bytes"] == 10**15
+
+
+def test_a_plain_loop_recorder_writes_the_post_mortem_of_an_oom_raised_as_another_error(tmp_path):
+    model = torch.nn.Linear(8, 8)
+    with pytest.raises(ValueError, match="wrapped"):
+        with MemoryRecorder(model, [], output_dir=tmp_path, what_if_budget_s=0) as recorder:
+            recorder.begin_batch(torch.randn(2, 8), step=0)
+            try:
+                torch.empty(10**15, dtype=torch.uint8)
+            except RuntimeError as error:
+                raise ValueError("wrapped") from error
+    assert sorted(p.name for p in tmp_path.glob("oom_*")) == ["oom_rank0_step0.pickle", "oom_rank0_step0.txt"]

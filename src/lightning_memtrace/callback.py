@@ -20,7 +20,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_memtrace.capture.config import AllocationBackend, RecorderConfig
-from lightning_memtrace.capture.oom_errors import is_out_of_memory
+from lightning_memtrace.capture.oom_errors import out_of_memory_in
 from lightning_memtrace.capture.recorder import MemoryRecorder, MemTraceWarning, new_run_id
 from lightning_memtrace.capture.reports_backend import track_every_cpu_block
 from lightning_memtrace.trainer import extras, ranks
@@ -89,7 +89,8 @@ class MemTrace(Callback):
     - ``activations_bytes``: storages autograd saved for backward in this step and holds for a backward still (not
       parameters or inputs; once the backward that used them is done, what lives on, such as batch norm's running
       statistics or an output the step keeps, is ``other_bytes``)
-    - ``inputs_bytes``: storages of the batch's tensors on the device
+    - ``inputs_bytes``: storages of the batch's tensors on the device (in containers, dataclasses and batch objects
+      that Lightning moves with their own ``to()``)
     - ``other_bytes``: allocated minus the categories above, never negative
     - ``run``: the fit's id (UTC start time and a random suffix, the same on every rank, kept on resume): fits
       written into one folder are told apart by it
@@ -530,12 +531,13 @@ class MemTrace(Callback):
         # Runs on each rank for itself: no collective here. Never raises: the training error must propagate unchanged.
         try:
             recorder = self.recorder
-            if recorder is not None and is_out_of_memory(exception, recorder.device):
+            oom = out_of_memory_in(exception, recorder.device) if recorder is not None else None
+            if recorder is not None and oom is not None:
                 with shown_once_kept():
                     batch = recorder.batch if recorder.batch is not None else self._first_batch
                     budget = self.config.what_if_budget_s
                     paths = recorder.write_post_mortem(
-                        exception, announce=False, what_if=lambda pm: extras.what_if_after_oom(trainer, batch, budget)
+                        oom, announce=False, what_if=lambda pm: extras.what_if_after_oom(trainer, batch, budget)
                     )
                     self._finish_quietly()  # the CSV is closed and whole before the report reads it
                     report = None

@@ -29,6 +29,23 @@ def is_out_of_memory(exception: BaseException, device: torch.device | str | None
     return False
 
 
+def out_of_memory_in(exception: BaseException, device: torch.device | str | None = None) -> BaseException | None:
+    """The out-of-memory error (see :func:`is_out_of_memory`) that ``exception`` is or was raised from: a library
+    that turns one into an error of its own (a compiler's ``BackendCompilerFailed``, a wrapper adding advice) keeps it
+    as the cause, or as the context where it raises while handling it. None where the chain holds none."""
+    seen: set[int] = set()
+    current: BaseException | None = exception
+    while current is not None and id(current) not in seen:
+        if is_out_of_memory(current, device):
+            return current
+        seen.add(id(current))
+        if current.__cause__ is not None:
+            current = current.__cause__
+        else:
+            current = None if current.__suppress_context__ else current.__context__
+    return None
+
+
 def requested_bytes_from_message(message: str) -> int | None:
     """The size the failed allocation asked for, as stated in the allocator's error message."""
     found = _CPU_OOM_PATTERN.search(message)

@@ -47,7 +47,7 @@ from lightning_memtrace.capture.categories import CategoryCounter, SavedTensorsR
 from lightning_memtrace.capture.config import RecorderConfig, choose_backend
 from lightning_memtrace.capture.counters import MemoryCounters, TrackerCounters, allocator_counters
 from lightning_memtrace.capture.oom import OomCapture, say_what_if_runs
-from lightning_memtrace.capture.oom_errors import is_out_of_memory
+from lightning_memtrace.capture.oom_errors import out_of_memory_in
 from lightning_memtrace.capture.outputs import RecorderFiles
 from lightning_memtrace.capture.reports_backend import unavailable_reason
 from lightning_memtrace.capture.rows import RowPlace, RowReader
@@ -317,8 +317,9 @@ class MemoryRecorder:
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         try:
-            if exc is not None and is_out_of_memory(exc, self.device):
-                self.write_post_mortem(exc)
+            oom = out_of_memory_in(exc, self.device) if exc is not None else None
+            if oom is not None:
+                self.write_post_mortem(oom)
         finally:
             self.stop()
 
