@@ -8,9 +8,11 @@ import warnings
 
 import pandas as pd
 import pytest
+import torch
+from torch.utils.data import DataLoader
 
 from lightning.pytorch.loggers import CSVLogger
-from lightning_memtrace import MemTrace, load_phases, what_if
+from lightning_memtrace import MemTrace, MemTraceWarning, load_phases, what_if
 from lightning_memtrace.estimator import compare_estimate
 from lightning_memtrace.capture.storages import unique_storage_bytes
 from lightning_memtrace.estimator.budget import device_memory_bytes
@@ -136,3 +138,41 @@ def test_an_optimizer_that_calls_the_closure_under_no_grad_is_estimated_as_light
     assert rows.loc["optimizer_state", "estimated_bytes"] == rows.loc["optimizer_state", "measured_bytes"]
     assert rows.loc["gradients", "estimated_bytes"] == unique_storage_bytes(module.parameters())
     assert abs(rows.loc["peak", "error_percent"]) < 0.1
+
+
+class _Batch:
+    """A batch class of the user's own, which Lightning moves with its ``to`` (not a container, not a dataclass)."""
+
+    def __init__(self, x, y) -> None:
+        self.x, self.y = x, y
+
+    def to(self, *args, **kwargs) -> "_Batch":
+        return _Batch(self.x.to(*args, **kwargs), self.y.to(*args, **kwargs))
+
+
+class _BatchObjectMLP(MLP):
+    def training_step(self, batch, batch_idx):
+        return super().training_step((batch.x, batch.y), batch_idx)
+
+    def train_dataloader(self):
+        loader = super().train_dataloader()
+        return DataLoader(loader.dataset, batch_size=self.batch_size, collate_fn=lambda rows: _Batch(
+            torch.stack([x for x, _ in rows]), torch.stack([y for _, y in rows])))
+
+
+def test_a_batch_object_with_its_own_to_is_measured_as_inputs_and_estimated(tmp_path):
+    """Its tensors were not found: inputs_bytes 0 (the batch counted as other and activations), and the estimate
+    refused the run (the step handed the model real tensors that were not the batch's)."""
+    callback = MemTrace(estimate=True, what_if_budget_s=0, report=False)
+    module = _BatchObjectMLP()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MemTraceWarning)
+        trainer(tmp_path, [callback], max_steps=3).fit(module)
+    batch_bytes = 16 * 32 * 4 + 16 * 1 * 4
+    phases = load_phases(callback.output_dir)
+    assert (phases.inputs_bytes == batch_bytes).all()
+    rows = pd.read_csv(callback.output_dir / "estimate_vs_measured_rank0.csv").set_index("category")
+    for category in ("parameters", "gradients", "optimizer_state", "inputs", "activations"):
+        assert rows.loc[category, "estimated_bytes"] == rows.loc[category, "measured_bytes"], category
+    assert rows.loc["inputs", "estimated_bytes"] == batch_bytes
+    assert abs(rows.loc["peak", "error_percent"]) <= 3.0

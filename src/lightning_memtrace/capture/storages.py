@@ -201,8 +201,19 @@ def storage_key(tensor: Tensor) -> tuple[int, torch.UntypedStorage] | None:
     return storage._cdata, storage
 
 
+def transferable_fields(obj: Any) -> dict[str, Any] | None:
+    """The attributes of a batch object that Lightning moves to the device with the object's own ``.to()`` (its
+    ``_TransferableDataType``: any object with a callable ``to``), such as a custom batch class; None for anything
+    else: tensors, containers, modules, classes, objects without attributes of their own."""
+    if isinstance(obj, (Tensor, torch.nn.Module, type)) or not callable(getattr(obj, "to", None)):
+        return None
+    fields = getattr(obj, "__dict__", None)
+    return fields if isinstance(fields, dict) else None
+
+
 def iter_tensors(obj: Any, _depth: int = 0) -> Iterator[Tensor]:
-    """Every tensor inside nested containers (dicts, lists, tuples, sets, dataclasses, mappings such as BatchEncoding)."""
+    """Every tensor inside nested containers (dicts, lists, tuples, sets, dataclasses, mappings such as BatchEncoding)
+    and batch objects (see :func:`transferable_fields`)."""
     if _depth > 32:
         return
     if isinstance(obj, Tensor):
@@ -223,6 +234,10 @@ def iter_tensors(obj: Any, _depth: int = 0) -> Iterator[Tensor]:
     elif hasattr(obj, "__dataclass_fields__"):
         for name in obj.__dataclass_fields__:
             yield from iter_tensors(getattr(obj, name, None), _depth + 1)
+    else:
+        fields = transferable_fields(obj)
+        for value in list(fields.values()) if fields else ():
+            yield from iter_tensors(value, _depth + 1)
 
 
 def unique_storages(tensors: Iterable[Tensor], device: torch.device | None = None) -> dict[int, torch.UntypedStorage]:

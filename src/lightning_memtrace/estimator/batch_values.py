@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_memtrace.capture.storages import transferable_fields
 from lightning_memtrace.estimator.fake import is_fake, outer_modes_paused
 
 #: The key under which a batch carries its padding (Hugging Face's tokenizers and collators: 1 a token, 0 padding).
@@ -59,6 +60,8 @@ def _real_2d(batch: Any, wanted: str, depth: int = 0) -> Iterator[Tensor]:
         items = [(f.name, getattr(batch, f.name, None)) for f in dataclasses.fields(batch)]
     elif isinstance(batch, (list, tuple)):
         items = [(None, value) for value in batch]
+    elif fields := transferable_fields(batch):
+        items = list(fields.items())
     else:
         return
     for key, value in items:

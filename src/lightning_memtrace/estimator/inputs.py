@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_memtrace.capture.storages import transferable_fields
 from lightning_memtrace.types import TextEnum
 
 
@@ -107,6 +109,14 @@ def map_batch(obj: Any, fn: Callable[[Any], Any], depth: int = 0) -> Any:
         return dataclasses.replace(
             obj, **{f.name: map_batch(getattr(obj, f.name), fn, depth + 1) for f in dataclasses.fields(obj) if f.init}
         )
+    fields = transferable_fields(obj)
+    if fields:
+        try:
+            mapped = copy.copy(obj)  # the user's class, as the training step reads it; its attributes mapped
+            mapped.__dict__.update({name: map_batch(value, fn, depth + 1) for name, value in fields.items()})
+        except Exception:  # noqa: BLE001 - a class that cannot be copied: left as it is
+            return obj
+        return mapped
     return obj
 
 
