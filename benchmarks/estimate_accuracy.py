@@ -187,7 +187,7 @@ def _grid_row(name: str, precision: str, checkpointing: bool, attention: str | N
 
 def architecture_grid(args: argparse.Namespace) -> int:
     """Every architecture x precision x checkpointing x attention: CPU estimate beside the real CPU run."""
-    sys.path.insert(0, str(ROOT / "tests" / "estimator"))
+    sys.path[:0] = [str(ROOT / "tests" / "estimator"), str(ROOT / "tests")]  # tiny_architectures uses lm_helpers
     from tiny_architectures import ARCHITECTURES
 
     names = args.architectures or list(ARCHITECTURES)

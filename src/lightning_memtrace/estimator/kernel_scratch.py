@@ -10,7 +10,7 @@ those operators: without them the estimate of a CNN's peak was 8-42 % low. Reduc
 tensors (``mean``, a sum over several dimensions, ``logsumexp``) sum a ``float32`` copy of their input. And
 oneDNN's LSTM layer (``nn.LSTM`` on CPU) returns a workspace, saved for backward, whose size oneDNN decides: on fake
 tensors it is empty, and an LSTM's estimated activations were 87 % low; the estimate gives that output the size the
-kernel gives it.
+kernel gives it. ``scaled_dot_product_attention``'s flash kernel holds blocks of scores and gradients per thread.
 
 How much depends on the kernel torch picks on this CPU (its instruction set, the dtype, the layout, the shapes), so
 it is measured, not modelled: each operator signature (shapes, strides, dtypes and arguments) runs once, on zeros of
@@ -55,10 +55,26 @@ _REDUCTIONS = frozenset(
 )
 #: Operators with an output whose size only the CPU kernel knows (oneDNN's LSTM workspace, empty on fake tensors).
 _KERNEL_SIZED_OUTPUTS = frozenset({aten.mkldnn_rnn_layer.default})
+#: ``scaled_dot_product_attention``'s CPU flash kernel (transformers' default attention, ``nn.MultiheadAttention``):
+#: blocks of scores, sums and gradients per thread, forward and backward (1 MiB a thread at 16 heads x 2,048 x 64).
+_FLASH_ATTENTION = {
+    packet.default: positions
+    for packet, positions in (
+        (getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None), (0, 1, 2)),
+        (getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None), (0, 1, 2, 3, 4, 5)),
+    )
+    if packet is not None
+}
 #: The operators whose kernels hold memory of their own on a CPU.
-SCRATCH_OPS = _CONVOLUTIONS | _REDUCTIONS | _KERNEL_SIZED_OUTPUTS | {aten.mkldnn_rnn_layer_backward.default}
+SCRATCH_OPS = (
+    _CONVOLUTIONS
+    | _REDUCTIONS
+    | _KERNEL_SIZED_OUTPUTS
+    | {aten.mkldnn_rnn_layer_backward.default}
+    | frozenset(_FLASH_ATTENTION)
+)
 #: The arguments that carry the batch in dimension 0 (else the first).
-_BATCH_ARGS = {aten.convolution.default: (0,), aten.convolution_backward.default: (0, 1)}
+_BATCH_ARGS = {aten.convolution.default: (0,), aten.convolution_backward.default: (0, 1), **_FLASH_ATTENTION}
 _REDUCED_PRECISION = (torch.bfloat16, torch.float16)
 #: Largest operator run at its own size, in bytes of its tensor arguments (a larger one runs at two smaller batches).
 MAX_MEASURED_BYTES = 32 << 20
@@ -317,14 +333,23 @@ def _measured(func: Any, args: tuple, request: dict[str, Any]) -> KernelMemory |
 
 
 def _asked_at_batch(request: dict[str, Any], n: int, positions: tuple[int, ...]) -> KernelMemory | str:
-    """Ask the worker about ``request`` with the batch dimension of the arguments at ``positions`` set to ``n``."""
+    """Ask the worker about ``request`` with the batch dimension of the arguments at ``positions`` set to ``n``, and
+    of a keyword argument with as many rows (attention's ``attn_mask``; one of a single row is broadcast)."""
     spec_args = list(request["args"])
-    for position in positions:
-        resized = _rebatched(spec_args[position], n)
+    spec_kwargs = dict(request["kwargs"])
+    batch = spec_args[positions[0]]["shape"][0]
+    places: list[tuple[Any, Any]] = [(spec_args, position) for position in positions]
+    places += [
+        (spec_kwargs, name)
+        for name, value in spec_kwargs.items()
+        if isinstance(value, dict) and value.get("shape") and value["shape"][0] == batch
+    ]
+    for specs, key in places:
+        resized = _rebatched(specs[key], n)
         if resized is None:
             return "an argument that is not dense could not be measured at a smaller batch"
-        spec_args[position] = resized
-    return _WORKER.ask({**request, "args": spec_args})
+        specs[key] = resized
+    return _WORKER.ask({**request, "args": spec_args, "kwargs": spec_kwargs})
 
 
 def _rebatched(spec: dict[str, Any], n: int) -> dict[str, Any] | None:
