@@ -345,3 +345,57 @@ def _bitwise_not_of_a_count(model, batch):
 def test_bitwise_not_of_an_integer_is_its_complement(plain):
     result = _estimate(_bitwise_not_of_a_count)
     assert result.category_bytes()[Category.OPTIMIZER_STATE] == plain.category_bytes()[Category.OPTIMIZER_STATE] > 0
+
+
+class _CountsItsClasses(MLP):
+    """Counts with ``bincount``: a class-balanced loss (``minlength`` given) and torchmetrics' accuracy and F1, whose
+    confusion counts are ``bincount(target * C + preds, minlength=C ** 2)``, updated and logged in the step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import torchmetrics
+
+        self.net[-1] = nn.Linear(128, 10)
+        self.accuracy = torchmetrics.classification.MulticlassAccuracy(10)
+        self.f1 = torchmetrics.classification.MulticlassF1Score(10, average="macro")
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        target = (y.squeeze(-1).abs() * 5).long().clamp(max=9)
+        logits = self(x)
+        counts = torch.bincount(target, minlength=10)
+        loss = nn.functional.cross_entropy(logits, target, weight=1.0 / (counts.float() + 1.0))
+        self.accuracy(logits, target)
+        self.f1(logits, target)
+        self.log("accuracy", self.accuracy, on_step=True, on_epoch=True)
+        self.log("f1", self.f1, on_epoch=True)
+        return loss
+
+
+def test_counts_with_a_minimum_length_are_estimated_as_a_run_with_values_in_range_takes_them(tmp_path):
+    """torch's fake ``bincount`` refuses (its length follows the values), so a step that used torchmetrics'
+    classification metrics could not be estimated. With ``minlength`` the estimate answers ``minlength`` bins."""
+    callback = MemTrace(estimate=True, report=False, what_if_budget_s=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(tmp_path, [callback], max_steps=3).fit(_CountsItsClasses())
+    assert not [w for w in caught if "could not estimate" in str(w.message)]
+    assert callback.estimated is not None and any(__file__ in place for place in callback.estimated.values_read)
+    comparison = callback.estimate_comparison
+    exact = comparison[comparison.category.isin(["parameters", "gradients", "optimizer_state", "activations"])]
+    assert (exact.error_bytes == 0).all()
+    assert abs(comparison[comparison.category == "peak"].iloc[0].error_percent) < 0.5
+
+
+def _counts_without_minimum_length(model, batch):
+    x, y = batch
+    loss = _plain(model, batch)
+    return loss * torch.bincount((y.squeeze(-1) > 0).long()).float().mean()
+
+
+def test_counts_without_a_minimum_length_still_stop_the_estimate_in_one_line():
+    with pytest.raises(ValueError) as raised:
+        _estimate(_counts_without_minimum_length)
+    message = str(raised.value)
+    assert message.startswith("the training step needs tensor values") and "aten.bincount" in message
+    assert "\n" not in message

@@ -12,6 +12,10 @@ common in training steps and change no memory, so the estimate answers them as a
   samples) is answered as passing, as in a run that goes on;
   the estimate runs it only after a first run met a read of a bool or an integer (:class:`FiniteCheckNeeded`).
 
+And one operator whose output's size follows values: ``bincount`` with a ``minlength`` (a class-balanced loss's
+counts; torchmetrics' classification metrics count ``num_classes ** 2`` confusion bins) gets ``minlength`` bins, as a
+run whose values stay below it does.
+
 Any other read (an integer: a size, an index, a count; a bool of a mask; a value of the batch) still stops the
 estimate with torch's ``DataDependentOutputException``. Each place answered is kept (:class:`ValuesRead`), and the
 estimate says so.
@@ -79,6 +83,26 @@ def _answer_floats(original: Any) -> Any:
     return read
 
 
+def _answer_bincount(original: Any) -> Any:
+    """``original`` (torch's fake ``bincount``, which refuses without symbolic shapes), answering the estimate's mode
+    where ``minlength`` is given: ``minlength`` bins, as a run whose values stay below it gets (torchmetrics' confusion
+    counts: ``num_classes ** 2`` bins of valid labels)."""
+
+    def bincount(fake_mode: Any, func: Any, inputs: Any, weights: Any = None, minlength: Any = 0) -> Any:
+        values = getattr(fake_mode, _ATTRIBUTE, None)
+        if values is not None and isinstance(minlength, int) and minlength > 0:
+            values.note()
+            if weights is None:
+                dtype = torch.long
+            else:
+                dtype = torch.float32 if weights.dtype == torch.float32 else torch.float64
+            return inputs.new_empty(minlength, dtype=dtype)
+        return original(fake_mode, func, inputs, weights, minlength)
+
+    bincount.answers_floats = True  # type: ignore[attr-defined]
+    return bincount
+
+
 def _install() -> None:
     # torch looks its fake implementations up per call, so wrapping the two entries costs nothing elsewhere; other
     # fake modes (torch.compile's) get torch's answer, since only the estimate's mode carries the attribute.
@@ -87,10 +111,10 @@ def _install() -> None:
     table = getattr(fake_impls, "op_implementations_dict", None)
     if table is None:  # a torch without the table: reads raise as they did
         return
-    for op in _READ_OPS:
+    for op, answer in [(op, _answer_floats) for op in _READ_OPS] + [(aten.bincount.default, _answer_bincount)]:
         current = table.get(op)
         if current is not None and not getattr(current, "answers_floats", False):
-            table[op] = _answer_floats(current)
+            table[op] = answer(current)
 
 
 @contextlib.contextmanager
