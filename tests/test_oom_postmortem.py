@@ -32,6 +32,7 @@ def test_cpu_oom_in_training_step_writes_post_mortem(tmp_path):
     text = (folder / "oom_rank0_step1.txt").read_text()
     pbytes = unique_storage_bytes(module.parameters())
     assert "requested:     909.5 TiB (1,000,000,000,000,000 B)" in text
+    assert "raised as:" not in text  # the error raised is the out-of-memory error itself
     assert "died in:       the forward pass" in text
     assert "step:          1 (epoch 0, batch_idx 1)" in text
     param_line = next(line for line in text.splitlines() if line.strip().startswith("parameters"))
@@ -371,9 +372,16 @@ def test_an_out_of_memory_error_raised_as_another_error_gets_its_post_mortem(tmp
     assert written == ["oom_rank0_step1.pickle", "oom_rank0_step1.txt"]
     text = (callback.output_dir / "oom_rank0_step1.txt").read_text()
     assert "requested:     909.5 TiB (1,000,000,000,000,000 B)" in text
-    assert "can't allocate memory" in text
+    raised_as = "ValueError: " + ("the backend failed to compile the step" if how == "cause" else "the step failed")
+    lines = text.splitlines()
+    error_line = next(i for i, line in enumerate(lines) if line.startswith("error:"))
+    assert lines[error_line].startswith("error:         RuntimeError: ")
+    assert "can't allocate memory" in lines[error_line]
+    assert lines[error_line + 1] == f"raised as:     {raised_as}"
     with open(callback.output_dir / "oom_rank0_step1.pickle", "rb") as handle:
-        assert pickle.load(handle)["memtrace"]["post_mortem"]["requested_bytes"] == 10**15
+        post = pickle.load(handle)["memtrace"]["post_mortem"]
+    assert post["requested_bytes"] == 10**15 and post["raised_as"] == raised_as
+    assert post["exception_type"] == "RuntimeError"
 
 
 def test_a_plain_loop_recorder_writes_the_post_mortem_of_an_oom_raised_as_another_error(tmp_path):
@@ -386,3 +394,4 @@ def test_a_plain_loop_recorder_writes_the_post_mortem_of_an_oom_raised_as_anothe
             except RuntimeError as error:
                 raise ValueError("wrapped") from error
     assert sorted(p.name for p in tmp_path.glob("oom_*")) == ["oom_rank0_step0.pickle", "oom_rank0_step0.txt"]
+    assert "raised as:     ValueError: wrapped\n" in (tmp_path / "oom_rank0_step0.txt").read_text()

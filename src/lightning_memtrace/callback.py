@@ -531,13 +531,12 @@ class MemTrace(Callback):
         # Runs on each rank for itself: no collective here. Never raises: the training error must propagate unchanged.
         try:
             recorder = self.recorder
-            oom = out_of_memory_in(exception, recorder.device) if recorder is not None else None
-            if recorder is not None and oom is not None:
+            if recorder is not None and out_of_memory_in(exception, recorder.device) is not None:
                 with shown_once_kept():
                     batch = recorder.batch if recorder.batch is not None else self._first_batch
                     budget = self.config.what_if_budget_s
                     paths = recorder.write_post_mortem(
-                        oom, announce=False, what_if=lambda pm: extras.what_if_after_oom(trainer, batch, budget)
+                        exception, announce=False, what_if=lambda pm: extras.what_if_after_oom(trainer, batch, budget)
                     )
                     self._finish_quietly()  # the CSV is closed and whole before the report reads it
                     report = None

@@ -59,6 +59,9 @@ class PostMortem:
     #: :func:`~lightning_memtrace.analysis.allocator_replay.expandable_segments_what_if`); None where the snapshot
     #: holds no trace of the error that the model serves as the GPU did.
     expandable_serves: bool | None = None
+    #: The error that ended the run where it is not the out-of-memory error itself but was raised from it (a
+    #: compiler's ``BackendCompilerFailed``, a library's own error): its type and first line; None otherwise.
+    raised_as: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -177,6 +180,8 @@ def render_post_mortem(pm: PostMortem) -> str:
     if pm.device_free_bytes is not None:
         lines.append(f"device free:   {format_bytes_exact(pm.device_free_bytes)}")
     lines.append(f"error:         {pm.exception_type}: {pm.message}")
+    if pm.raised_as:
+        lines.append(f"raised as:     {pm.raised_as}")
     if pm.failing_frames:
         lines.append(f"failed at:     {format_frame(user_frame(pm.failing_frames))}")
     view = post_mortem_view(pm)

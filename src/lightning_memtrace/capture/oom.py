@@ -19,7 +19,7 @@ from lightning_memtrace.analysis.postmortem import (
     render_post_mortem,
 )
 from lightning_memtrace.capture.categories import NamedStorages
-from lightning_memtrace.capture.oom_errors import requested_bytes_from_message
+from lightning_memtrace.capture.oom_errors import out_of_memory_in, requested_bytes_from_message
 from lightning_memtrace.capture.outputs import RecorderFiles
 from lightning_memtrace.capture.tracker import AllocationTracker, OutOfMemoryEvent
 from lightning_memtrace.capture.window import HistoryWindow, cuda_allocated, cuda_reserved
@@ -116,9 +116,15 @@ class OomCapture:
         if self.device.type == "cuda" and (self.device.index or 0) == device:
             self.capture(requested, [], device_free)
 
-    def post_mortem(self, exception: BaseException) -> tuple[PostMortem, dict[str, Any] | None]:
+    def post_mortem(self, raised: BaseException) -> tuple[PostMortem, dict[str, Any] | None]:
         """What the post-mortem says (the state captured at the failure, else the state now), and the snapshot taken
-        at the failure if any."""
+        at the failure if any. ``raised``: the out-of-memory error, or an error raised from one (see
+        :func:`~lightning_memtrace.capture.oom_errors.out_of_memory_in`), which the post-mortem names beside it."""
+        exception = out_of_memory_in(raised, self.device) or raised
+        raised_as = None
+        if exception is not raised:
+            first = str(raised).strip().splitlines()
+            raised_as = f"{type(raised).__name__}: {first[0] if first else ''}".rstrip(": ")
         if self._state is None and self.tracker is not None and self.tracker.backend == "reports":
             self.tracker.note_oom(exception)  # its listener captures the state, with the stack from the traceback
         if self._state is None:
@@ -149,6 +155,7 @@ class OomCapture:
             growth=self._growth(),
             ddp_bucket_bytes=self.ddp_bucket_bytes,
             expandable_serves=self._expandable_serves(state.get("snapshot")),
+            raised_as=raised_as,
         ), state.get("snapshot")
 
     def _expandable_serves(self, snapshot: dict[str, Any] | None) -> bool | None:
@@ -171,7 +178,7 @@ class OomCapture:
         """Write ``oom_rank<R>_step<N>.pickle`` and ``.txt``; returns the files written.
 
         Args:
-            exception: The out-of-memory error.
+            exception: The out-of-memory error, or the error raised from one.
             what_if: Called with the post-mortem once the state is kept: what would fit (plain data, see
                 :attr:`PostMortem.what_if`), or None. A failure of it is one line in the text.
         """

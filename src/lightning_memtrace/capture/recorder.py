@@ -317,9 +317,8 @@ class MemoryRecorder:
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         try:
-            oom = out_of_memory_in(exc, self.device) if exc is not None else None
-            if oom is not None:
-                self.write_post_mortem(oom)
+            if exc is not None and out_of_memory_in(exc, self.device) is not None:
+                self.write_post_mortem(exc)
         finally:
             self.stop()
 
@@ -657,7 +656,8 @@ class MemoryRecorder:
         """Write ``oom_rank<R>_step<N>.pickle`` and ``.txt`` for an out-of-memory error. Never raises.
 
         Args:
-            exception: The out-of-memory error (it propagates afterwards; this does not raise it).
+            exception: The out-of-memory error, or an error raised from one (it propagates afterwards; this does
+                not raise it).
             announce: Print one line naming the post-mortem on stderr (see :meth:`announce_post_mortem`).
             what_if: Makes the post-mortem's "what would fit" (see :attr:`PostMortem.what_if`). Default: the model
                 and the batch of :meth:`begin_batch`, in fp32, the first optimizer's class and defaults (a
