@@ -124,7 +124,7 @@ class OomCapture:
         raised_as = None
         if exception is not raised:
             first = str(raised).strip().splitlines()
-            raised_as = f"{type(raised).__name__}: {first[0] if first else ''}".rstrip(": ")
+            raised_as = f"{type(raised).__name__}: {first[0]}" if first else type(raised).__name__
         if self._state is None and self.tracker is not None and self.tracker.backend == "reports":
             self.tracker.note_oom(exception)  # its listener captures the state, with the stack from the traceback
         if self._state is None:

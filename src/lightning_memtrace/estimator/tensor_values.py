@@ -79,7 +79,7 @@ def _answer_floats(original: Any) -> Any:
                 raise FiniteCheckNeeded(func)
         return original(fake_mode, func, arg, *args, **kwargs)
 
-    read.answers_floats = True  # type: ignore[attr-defined]
+    read.answers_the_estimate = True  # type: ignore[attr-defined]
     return read
 
 
@@ -99,7 +99,7 @@ def _answer_bincount(original: Any) -> Any:
             return inputs.new_empty(minlength, dtype=dtype)
         return original(fake_mode, func, inputs, weights, minlength)
 
-    bincount.answers_floats = True  # type: ignore[attr-defined]
+    bincount.answers_the_estimate = True  # type: ignore[attr-defined]
     return bincount
 
 
@@ -113,7 +113,7 @@ def _install() -> None:
         return
     for op, answer in [(op, _answer_floats) for op in _READ_OPS] + [(aten.bincount.default, _answer_bincount)]:
         current = table.get(op)
-        if current is not None and not getattr(current, "answers_floats", False):
+        if current is not None and not getattr(current, "answers_the_estimate", False):
             table[op] = answer(current)
 
 
