@@ -11,6 +11,7 @@ import warnings
 from pathlib import Path
 
 import torch
+import lightning.pytorch as pl
 import torchmetrics
 from torch import nn
 
@@ -163,29 +164,39 @@ class _WritesToItsLoggers(MLP):
         loss = super().training_step(batch, batch_idx)
         for logger in self.loggers:  # straight to the loggers, around self.log
             logger.log_metrics({"probe": loss.item() + 1.0}, step=self.global_step)
+        # as steps log images and histograms: the logger's own experiment object
+        self.logger.experiment.log_metrics({"experiment_probe": loss.item() + 2.0}, step=self.global_step)
+        self.seen_log_dir = self.logger.log_dir
         return loss
 
 
-def test_the_copys_trainer_has_no_loggers_and_takes_no_settings(tmp_path):
-    """The estimate's step must not write into the run's loggers (its values are not the run's) nor change the run."""
+def test_the_copys_loggers_write_nothing_and_its_trainer_takes_no_settings(tmp_path):
+    """The estimate's step must not write into the run's loggers (its values are not the run's) nor change the run,
+    and a step that writes to them (``self.logger.experiment...``) is still estimated."""
     from lightning.pytorch.loggers import CSVLogger
 
-    from lightning_memtrace.estimator.fake import TrainerView
+    from lightning_memtrace.estimator.trainer_view import DROPPED, TrainerView
 
     callback = MemTrace(estimate=True, report=False, history=False, what_if_budget_s=0)
     logger = CSVLogger(tmp_path, name="logs")
     fit = trainer(tmp_path, [callback], max_steps=3, logger=logger, log_every_n_steps=1)
     fit.fit(_WritesToItsLoggers())
-    assert callback.estimated  # the step ran in the estimate, which saw no loggers
+    assert callback.estimated  # the step ran in the estimate, whose loggers took its values and wrote none
     lines = (Path(logger.log_dir) / "metrics.csv").read_text().splitlines()
-    column = lines[0].split(",").index("probe")
-    probes = [float(cells[column]) for cells in (line.split(",") for line in lines[1:]) if cells[column]]
-    assert len(probes) == 3 and 1.0 not in probes  # the real steps' losses only: none of the estimate's 0.0 + 1.0
+    header = lines[0].split(",")
+    for name, added in (("probe", 1.0), ("experiment_probe", 2.0)):
+        column = header.index(name)
+        probes = [float(cells[column]) for cells in (line.split(",") for line in lines[1:]) if cells[column]]
+        # the real steps' losses only: none of the estimate's 0.0 + 1.0 (or + 2.0)
+        assert len(probes) == 3 and added not in probes, name
 
     view = TrainerView(fit)
-    assert view.global_step == fit.global_step == 3 and view.loggers == [] and view.logger is None
+    assert view.global_step == fit.global_step == 3 and len(view.loggers) == 1
+    assert view.logger.log_dir == logger.log_dir and view.logger.name == "logs"
+    assert view.logger.log_metrics({"x": 1.0}) is DROPPED and view.logger.experiment.add_image("x", 0) is DROPPED
     view.should_stop = True
     assert fit.should_stop is False  # the copy's setting went nowhere
+    assert TrainerView(pl.Trainer(logger=False)).logger is None
 
 
 def test_an_optimizer_made_beforehand_is_left_to_the_run(tmp_path):

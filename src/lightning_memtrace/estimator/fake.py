@@ -25,6 +25,7 @@ from lightning_memtrace.capture.storages import (
     weight_state_tensors,
 )
 from lightning_memtrace.estimator.inputs import InputSpec, map_batch
+from lightning_memtrace.estimator.trainer_view import TrainerView, no_logging
 
 
 def fake_mode() -> Any:
@@ -325,43 +326,7 @@ def _attached_without_logging(module: nn.Module, copied: nn.Module) -> None:
         if isinstance(sub, LightningModule):
             trainer = original.__dict__.get("_trainer")
             sub.__dict__["_trainer"] = TrainerView(trainer) if trainer is not None else None
-            sub.log = sub.log_dict = _no_logging  # type: ignore[method-assign]
-
-
-class TrainerView:
-    """The run's Trainer as the estimate's copy of the module sees it: what it reads is the run's (``global_step``,
-    ``estimated_stepping_batches``, ``lr_scheduler_configs``...), but it has no loggers (a step's
-    ``self.logger.experiment.add_scalar(...)`` must not write the estimate's values into the run's logs) and what the
-    copy sets on it (``self.trainer.should_stop = True``) is dropped: the estimate changes nothing in the run."""
-
-    def __init__(self, trainer: Any) -> None:
-        object.__setattr__(self, "_viewed", trainer)
-        #: What the estimate answers in the run's place (under manual optimization: its optimizers, strategy...).
-        object.__setattr__(self, "overrides", {})
-
-    @property
-    def logger(self) -> None:
-        return None
-
-    @property
-    def loggers(self) -> list[Any]:
-        return []
-
-    def __getattr__(self, name: str) -> Any:
-        overrides = object.__getattribute__(self, "overrides")
-        if name in overrides:
-            return overrides[name]
-        viewed = object.__getattribute__(self, "_viewed")
-        if viewed is None:
-            raise AttributeError(f"the estimate's copy of the module has no Trainer to read {name!r} from")
-        return getattr(viewed, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        return None
-
-
-def _no_logging(*args: Any, **kwargs: Any) -> None:
-    return None
+            sub.log = sub.log_dict = no_logging  # type: ignore[method-assign]
 
 
 def fake_copy(

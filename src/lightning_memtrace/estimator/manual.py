@@ -3,11 +3,11 @@
 Under manual optimization (``self.automatic_optimization = False``) the module's own ``training_step`` does the work:
 ``self.optimizers()``, ``opt.zero_grad()``, ``self.manual_backward(loss)``, ``opt.step()``, and often
 ``self.toggle_optimizer(opt)``, ``self.clip_gradients(...)``, ``self.lr_schedulers()``. On the fake copy these reach
-what the estimate gives its view of the Trainer (:class:`~lightning_memtrace.estimator.fake.TrainerView`): the fake
-optimizers, wrapped as Lightning wraps them (``LightningOptimizer``), their schedulers, and a stand-in strategy whose
-backward and optimizer step are Lightning's, with the recorder's rows where the callback takes them (``after_forward``
-at the first backward of a batch, ``after_backward`` after each, ``after_optimizer_step`` after each step). Never the
-run's own optimizers, schedulers, gradient scaler or strategy.
+what the estimate gives its view of the Trainer (:class:`~lightning_memtrace.estimator.trainer_view.TrainerView`): the
+fake optimizers, wrapped as Lightning wraps them (``LightningOptimizer``), their schedulers, and a stand-in strategy
+whose backward and optimizer step are Lightning's, with the recorder's rows where the callback takes them
+(``after_forward`` at the first backward of a batch, ``after_backward`` after each, ``after_optimizer_step`` after each
+step). Never the run's own optimizers, schedulers, gradient scaler or strategy.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from lightning_memtrace.capture.recorder import MemoryRecorder
 from lightning_memtrace.estimator.backward import GradScale, recorded_backward
-from lightning_memtrace.estimator.fake import TrainerView
+from lightning_memtrace.estimator.trainer_view import TrainerView
 
 
 def configured(configured: Any) -> tuple[list[torch.optim.Optimizer], list[Any]]:
