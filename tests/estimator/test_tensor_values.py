@@ -160,13 +160,21 @@ def _overwritten_check(model, batch):
     return loss
 
 
-@pytest.mark.parametrize("step", [_threshold, _size_from_value, _overwritten_check])
+def _into_numpy(model, batch):
+    loss = _plain(model, batch)
+    _into_numpy.accuracy = float((model(batch[0]).detach().numpy() > 0).mean())  # a metric computed in NumPy
+    return loss
+
+
+@pytest.mark.parametrize("step", [_threshold, _size_from_value, _overwritten_check, _into_numpy])
 def test_other_reads_still_stop_the_estimate_in_one_line(step):
     with pytest.raises(ValueError) as raised:
         _estimate(step)
     message = str(raised.value)
     assert message.startswith("the training step needs tensor values") and "\n" not in message
     assert f"{__file__}:" in message and f"in {step.__name__}" in message
+    if step is _into_numpy:  # torch's own words ("not supported for tensor subclasses") said which tensors nowhere
+        assert "(Tensor.numpy(), at " in message and "values read into NumPy" in message
 
 
 def test_a_read_in_the_optimizers_own_code_is_named_there():

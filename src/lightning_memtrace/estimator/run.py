@@ -277,6 +277,10 @@ def _estimate(
                 if _REAL_TENSOR_REFUSED not in str(error):
                     raise
                 raise ValueError(_real_tensor_used(error)) from None
+            except RuntimeError as error:
+                if _NUMPY_REFUSED not in str(error):
+                    raise
+                raise ValueError(_needs_values(error, model, asked="Tensor.numpy()")) from None
     if emulate_cuda:
         records = _without_host_state(records, optimizers, allocator)
     batch_size, seq_len = batch_dims(batch)
@@ -353,14 +357,19 @@ def estimate_for_module(
     )
 
 
-def _needs_values(error: Exception, model: nn.Module) -> str:
-    """One line for a step that asked a fake tensor for a value: the op, the line that asked, what to do."""
+#: How a fake tensor refuses to give its values to NumPy (``.numpy()``, ``np.asarray``, scikit-learn's metrics).
+_NUMPY_REFUSED = ".numpy() is not supported for tensor subclasses"
+
+
+def _needs_values(error: Exception, model: nn.Module, asked: str | None = None) -> str:
+    """One line for a step that asked a fake tensor for a value: the op (``asked``, else the error's), the line that
+    asked, what to do."""
     frames = traceback_frames(error, depth=128, own_frames=True)
     text = (
-        f"the training step needs tensor values, which an estimate on fake tensors does not have ({error}, at "
-        f"{format_frame(asking_frame(frames))}): a step whose shapes or branches follow values (boolean-mask "
+        f"the training step needs tensor values, which an estimate on fake tensors does not have ({asked or error}, "
+        f"at {format_frame(asking_frame(frames))}): a step whose shapes or branches follow values (boolean-mask "
         "indexing, nonzero, torch.where with one argument, an integer .item(), an if on a tensor other than a NaN or "
-        "infinity check, a loop over the experts a batch is routed to) cannot be estimated"
+        "infinity check, values read into NumPy, a loop over the experts a batch is routed to) cannot be estimated"
     )
     if _has_experts(model):
         text += (
