@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import logging
 import sys
 import threading
@@ -15,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils import _pytree as pytree
 
 from lightning_memtrace.capture.storages import (
     attribute_tensors,
@@ -29,10 +31,37 @@ from lightning_memtrace.estimator.trainer_view import TrainerView, no_logging
 
 
 def fake_mode() -> Any:
-    """A fresh ``FakeTensorMode`` that refuses real tensors as inputs."""
+    """A fresh ``FakeTensorMode`` that refuses real tensors as inputs, and an operator without a fake implementation
+    rather than run its real kernel on zeros of the real sizes (torch's default: real memory, on the run's device, in
+    the middle of the run MemTrace measures), except on sparse tensors alone (see :func:`_estimate_fake_mode_type`)."""
+    return _estimate_fake_mode_type()(allow_non_fake_inputs=False)
+
+
+@functools.cache
+def _estimate_fake_mode_type() -> type:
+    """``FakeTensorMode`` that runs a real kernel in place of a missing fake implementation only where every fake
+    tensor it would make real is sparse: zeros of a sparse tensor are an empty one (no memory). Sparse gradients'
+    in-place ops (SGD's momentum ``buf.mul_(momentum)``) have no fake implementation."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    return FakeTensorMode(allow_non_fake_inputs=False)
+    class EstimateFakeTensorMode(FakeTensorMode):
+        _call: tuple[Any, Any] = ((), None)
+
+        def _dispatch_impl(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+            outer = self._call
+            self._call = (args, kwargs)
+            try:
+                return super()._dispatch_impl(func, types, args, kwargs)
+            finally:
+                self._call = outer
+
+        def can_run_unsafe_fallback(self, func: Any) -> bool:
+            made_real = [leaf for leaf in pytree.tree_leaves(self._call) if self.is_our_fake(leaf)]
+            return bool(made_real) and all(leaf.is_sparse for leaf in made_real) and super().can_run_unsafe_fallback(
+                func
+            )
+
+    return EstimateFakeTensorMode
 
 
 def is_fake(value: Any) -> bool:
@@ -48,6 +77,14 @@ def value_dependent_errors() -> tuple[type[Exception], ...]:
     from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
     return (DataDependentOutputException, DynamicOutputShapeException)
+
+
+def unsupported_operator_error() -> type[Exception]:
+    """What the estimate's fake mode raises for an operator torch has no fake implementation of (no meta kernel): it
+    runs no real kernel in its place (``allow_fallback_kernels=False``), which would allocate real memory."""
+    from torch._subclasses.fake_tensor import UnsupportedOperatorException
+
+    return UnsupportedOperatorException
 
 
 def backward_in_function_modes(loss: Tensor) -> None:

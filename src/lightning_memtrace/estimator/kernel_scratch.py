@@ -42,6 +42,7 @@ from torch import Tensor
 
 from lightning_memtrace.capture import fork_guard
 from lightning_memtrace.capture.storages import dense_layout
+from lightning_memtrace.estimator import unfaked_ops
 from lightning_memtrace.estimator.kernel_scratch_worker import ANSWER_PREFIX
 
 aten = torch.ops.aten
@@ -65,16 +66,32 @@ _FLASH_ATTENTION = {
     )
     if packet is not None
 }
-#: The operators whose kernels hold memory of their own on a CPU.
+#: Softmax and log-softmax, forward and backward: their kernels work on a contiguous copy of a strided input or
+#: gradient (a CTC loss's ``log_probs.transpose(0, 1)`` sends its gradient back strided); see :func:`_copies_an_input`.
+_SOFTMAXES = {
+    aten._softmax.default: (0,),
+    aten._log_softmax.default: (0,),
+    aten._softmax_backward_data.default: (0, 1),
+    aten._log_softmax_backward_data.default: (0, 1),
+}
+#: The operators whose kernels hold memory of their own on a CPU (CTC loss's backward: ``log_beta``, as large as
+#: ``log_alpha``).
 SCRATCH_OPS = (
     _CONVOLUTIONS
     | _REDUCTIONS
+    | frozenset(_SOFTMAXES)
     | _KERNEL_SIZED_OUTPUTS
     | {aten.mkldnn_rnn_layer_backward.default}
     | frozenset(_FLASH_ATTENTION)
+    | unfaked_ops.CTC_BACKWARD_OPS
 )
 #: The arguments that carry the batch in dimension 0 (else the first).
-_BATCH_ARGS = {aten.convolution.default: (0,), aten.convolution_backward.default: (0, 1), **_FLASH_ATTENTION}
+_BATCH_ARGS = {
+    aten.convolution.default: (0,),
+    aten.convolution_backward.default: (0, 1),
+    **_FLASH_ATTENTION,
+    **_SOFTMAXES,
+}
 _REDUCED_PRECISION = (torch.bfloat16, torch.float16)
 #: Largest operator run at its own size, in bytes of its tensor arguments (a larger one runs at two smaller batches).
 MAX_MEASURED_BYTES = 32 << 20
@@ -255,6 +272,8 @@ class KernelScratch:
         not measured (noted in :attr:`unmeasured` where it could not be)."""
         if func in _REDUCTIONS and not _sums_a_copy(func, args, kwargs or {}):
             return None
+        if func in _SOFTMAXES and not _copies_an_input(func, args):
+            return None
         name = func.__name__
         try:
             request = {"op": name, "args": _spec(list(args)), "kwargs": _spec(dict(kwargs or {}))}
@@ -295,6 +314,12 @@ def _sums_a_copy(func: Any, args: tuple, kwargs: dict) -> bool:
         return True
     dims = args[1] if len(args) > 1 else kwargs.get("dim")
     return func is aten.sum.dim_IntList and (dims is None or len(dims) > 1)
+
+
+def _copies_an_input(func: Any, args: tuple) -> bool:
+    """Whether a softmax's tensor arguments include a strided one, which its kernel copies (contiguous ones it reads
+    in place: not measured)."""
+    return any(isinstance(args[i], Tensor) and not args[i].is_contiguous() for i in _SOFTMAXES[func] if i < len(args))
 
 
 def _sized_as(out: Any, shapes: tuple[tuple[int, ...] | None, ...]) -> Any:

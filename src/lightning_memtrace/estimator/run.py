@@ -36,6 +36,7 @@ from lightning_memtrace.estimator.fake import (
     outer_modes_paused,
     own_prints_dropped,
     uncompiled,
+    unsupported_operator_error,
     value_dependent_errors,
 )
 from lightning_memtrace.estimator.inputs import Precision, batch_dims
@@ -277,6 +278,8 @@ def _estimate(
                 if _REAL_TENSOR_REFUSED not in str(error):
                     raise
                 raise ValueError(_real_tensor_used(error)) from None
+            except unsupported_operator_error() as error:  # a RuntimeError: before the next
+                raise ValueError(_no_fake_kernel(error)) from None
             except RuntimeError as error:
                 if _NUMPY_REFUSED not in str(error):
                     raise
@@ -394,6 +397,15 @@ def _real_tensor_used(error: AssertionError) -> str:
         f"closure's, at {place}): the estimate copies the module's parameters, buffers and tensor attributes and the "
         "batch onto fake tensors, nothing else; register it as a buffer (self.register_buffer) or an attribute of the "
         "module, or make it inside the step"
+    )
+
+
+def _no_fake_kernel(error: Exception) -> str:
+    """One line for an operator torch has no fake implementation of: which, the line that called it, why not run."""
+    place = format_frame(asking_frame(traceback_frames(error, depth=128, own_frames=True)))
+    return (
+        f"torch has no fake implementation of {error} (at {place}), and the estimate does not run the real kernel in "
+        "its place (torch would, on zeros of the real sizes: real memory, on the run's device)"
     )
 
 

@@ -12,9 +12,9 @@ common in training steps and change no memory, so the estimate answers them as a
   samples) is answered as passing, as in a run that goes on;
   the estimate runs it only after a first run met a read of a bool or an integer (:class:`FiniteCheckNeeded`).
 
-And one operator whose output's size follows values: ``bincount`` with a ``minlength`` (a class-balanced loss's
+And operators whose output's size follows values: ``bincount`` with a ``minlength`` (a class-balanced loss's
 counts; torchmetrics' classification metrics count ``num_classes ** 2`` confusion bins) gets ``minlength`` bins, as a
-run whose values stay below it does.
+run whose values stay below it does; CTC loss is answered in :mod:`~lightning_memtrace.estimator.unfaked_ops`.
 
 Any other read (an integer: a size, an index, a count; a bool of a mask; a value of the batch) still stops the
 estimate with torch's ``DataDependentOutputException``. Each place answered is kept (:class:`ValuesRead`), and the
@@ -103,6 +103,12 @@ def _answer_bincount(original: Any) -> Any:
     return bincount
 
 
+def estimate_values(fake_mode: Any) -> ValuesRead | None:
+    """The reads answered in ``fake_mode`` where it is the estimate's (:func:`values_answered`), else None: an answer
+    of the estimate's is given there only (torch.compile's fake modes get torch's own)."""
+    return getattr(fake_mode, _ATTRIBUTE, None)
+
+
 def _install() -> None:
     # torch looks its fake implementations up per call, so wrapping the two entries costs nothing elsewhere; other
     # fake modes (torch.compile's) get torch's answer, since only the estimate's mode carries the attribute.
@@ -111,10 +117,20 @@ def _install() -> None:
     table = getattr(fake_impls, "op_implementations_dict", None)
     if table is None:  # a torch without the table: reads raise as they did
         return
-    for op, answer in [(op, _answer_floats) for op in _READ_OPS] + [(aten.bincount.default, _answer_bincount)]:
-        current = table.get(op)
-        if current is not None and not getattr(current, "answers_the_estimate", False):
+    from lightning_memtrace.estimator import unfaked_ops
+
+    answers = [(op, _answer_floats) for op in _READ_OPS] + [(aten.bincount.default, _answer_bincount)]
+    answers += list(unfaked_ops.ANSWERS.items())
+    for op, answer in answers:
+        # an operator without an entry goes on to torch's other fake implementations where the answer returns
+        # NotImplemented (its meta kernel, or the refusal of a dynamic output shape)
+        current = table.get(op, _torch_answers)
+        if not getattr(current, "answers_the_estimate", False):
             table[op] = answer(current)
+
+
+def _torch_answers(fake_mode: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+    return NotImplemented
 
 
 @contextlib.contextmanager
