@@ -345,13 +345,38 @@ def _deep_copy(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
             if param is not None and param.grad is not None:
                 memo[id(param.grad)] = None
     try:
-        copied = copy.deepcopy(module, memo)
+        with _other_tensors_shared():
+            copied = copy.deepcopy(module, memo)
     except Exception as error:
         raise ValueError(
             f"cannot copy {type(module).__name__} onto fake tensors: {type(error).__name__}: {error}"
         ) from error
     _attached_without_logging(module, copied)
     return _eager(copied)
+
+
+@contextlib.contextmanager
+def _other_tensors_shared() -> Iterator[None]:
+    """Within, on this thread, ``copy.deepcopy`` shares a plain tensor rather than copy it: the copy's tensors that
+    are not the module's state (those are fakes, in the memo) stay the run's own, as a dataset the module keeps
+    (``self.ds = TensorDataset(...)``). A copy would be real memory, perhaps gigabytes, on the run's device, in the
+    middle of the run MemTrace measures; and a step cannot use a real tensor on fake ones anyway (the fake mode
+    refuses it). Other threads copy tensors as before."""
+    owner = threading.get_ident()
+
+    def copy_tensor(tensor: Tensor, memo: dict[int, Any]) -> Tensor:
+        return tensor if threading.get_ident() == owner else tensor.__deepcopy__(memo)
+
+    dispatch = copy._deepcopy_dispatch  # type: ignore[attr-defined]
+    previous = dispatch.get(Tensor)
+    dispatch[Tensor] = copy_tensor
+    try:
+        yield
+    finally:
+        if previous is None:
+            dispatch.pop(Tensor, None)
+        else:
+            dispatch[Tensor] = previous
 
 
 def _attached_without_logging(module: nn.Module, copied: nn.Module) -> None:
