@@ -110,7 +110,7 @@ def estimate_values(fake_mode: Any) -> ValuesRead | None:
 
 
 def _install() -> None:
-    # torch looks its fake implementations up per call, so wrapping the two entries costs nothing elsewhere; other
+    # torch looks its fake implementations up per call, so wrapping these entries costs nothing elsewhere; other
     # fake modes (torch.compile's) get torch's answer, since only the estimate's mode carries the attribute.
     from torch._subclasses import fake_impls
 
