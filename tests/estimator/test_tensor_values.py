@@ -109,7 +109,7 @@ def test_value_reads_a_run_takes_the_usual_path_on_are_estimated_as_without_them
             assert getattr(read, f"{category}_bytes") == getattr(base, f"{category}_bytes")
         assert 0 <= read.peak_bytes - base.peak_bytes <= 64 and 0 <= read.allocated_bytes - base.allocated_bytes <= 64
     assert result.values_read and all(__file__ in place for place in result.values_read)
-    assert "tensor values read answered as for finite values" in result.describe()
+    assert "tensor values read answered as in a usual run" in result.describe()
     assert result.as_dict()["values_read"] == list(result.values_read)
 
 

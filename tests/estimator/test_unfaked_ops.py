@@ -41,7 +41,7 @@ class _SpeechLike(pl.LightningModule):
         log_probs = self.head(features).log_softmax(-1).transpose(0, 1)
         input_lengths = torch.full((features.shape[0],), TIME, dtype=torch.long)
         target_lengths = torch.full((features.shape[0],), TARGET, dtype=torch.long)
-        return F.ctc_loss(log_probs, targets, input_lengths, target_lengths)
+        return F.ctc_loss(log_probs, targets, input_lengths, target_lengths)  # ctc_line
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
@@ -50,6 +50,11 @@ class _SpeechLike(pl.LightningModule):
         g = torch.Generator().manual_seed(0)
         features = torch.randn(4 * BATCH, TIME, 40, generator=g)
         return DataLoader(TensorDataset(features, torch.randint(1, CLASSES, (4 * BATCH, TARGET), generator=g)), BATCH)
+
+
+_SpeechLike.ctc_line = next(
+    number for number, line in enumerate(open(__file__).read().splitlines(), 1) if line.endswith("# ctc_line")
+)
 
 
 class _StridedLogSoftmax(_SpeechLike):
@@ -78,6 +83,9 @@ def _fit(tmp_path, module, estimate_run=True):
 def test_estimated_as_the_run_measures_it(tmp_path, module_type):
     callback = _fit(tmp_path, module_type())
     assert callback.estimated, "the step could not be estimated"
+    # the padded width standing for the longest target is named where the step called the loss
+    named = [place for place in callback.estimated.values_read if place.startswith(f"{__file__}:")]
+    assert named == ([f"{__file__}:{_SpeechLike.ctc_line} in training_step"] if module_type is _SpeechLike else [])
     comparison = callback.estimate_comparison.set_index("category")
     for category in EXACT:
         # the CPU's CTC reads tensor lengths into integers (its fast path); on fake tensors torch keeps them as

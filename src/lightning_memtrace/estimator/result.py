@@ -42,8 +42,9 @@ class Estimate:
             (and an optimizer's state made from it, SGD's momentum) is a sparse tensor whose size follows the rows a
             batch touches, which fake tensors do not know: the estimate counts it as empty.
         values_read: Where the step read a tensor value that the estimate answered without having it (``file:line in
-            function``, at most 8): a floating-point value with 0.0 (``loss.item()`` to log it), a NaN or infinity
-            check as for finite values. Empty where the step read none.
+            function``, at most 8), as in a usual run: a floating-point value with 0.0 (``loss.item()`` to log it), a
+            NaN or infinity check as for finite values, ``bincount`` with ``minlength`` bins, CTC loss's longest
+            target as the padded targets' width. Empty where the step read none.
         ddp_bucket_bytes: Bytes of DDP's gradient buckets the estimate holds alive throughout (``other`` in the rows;
             0 where the run is not DDP's or its gradients are views of the buckets).
         scratch_unmeasured: Operators whose CPU kernel's scratch (a convolution's im2col or reorder buffers, see
@@ -344,7 +345,7 @@ class Estimate:
                 "sparse gradients (Embedding(sparse=True)) counted as empty: their size follows the batch's rows"
             )
         if self.values_read:
-            parts.append(f"tensor values read answered as for finite values (at {'; '.join(self.values_read)})")
+            parts.append(f"tensor values read answered as in a usual run (at {'; '.join(self.values_read)})")
         if self.scratch_unmeasured:
             parts.append(
                 f"the scratch of CPU kernels left out, the peak may be higher ({'; '.join(self.scratch_unmeasured)})"
