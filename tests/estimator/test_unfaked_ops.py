@@ -124,7 +124,9 @@ def test_an_operator_without_a_fake_implementation_stops_the_estimate_in_one_lin
         estimate(nn.Linear(16, 5), (torch.zeros(4, 16), torch.zeros(4, dtype=torch.long)), training_step=step,
                  device="cpu")
     message = str(raised.value)
-    assert message.startswith("torch has no fake implementation of aten.multi_margin_loss_backward.default (at ")
+    # autograd's engine runs a backward: its file is not where the step asked
+    operator = "aten.multi_margin_loss_backward.default"
+    assert message.startswith(f"torch has no fake implementation of {operator} (in the backward)")
     assert "does not run the real kernel in its place" in message and "\n" not in message
 
 

@@ -25,7 +25,7 @@ from lightning_memtrace.estimator.batch_values import answered_as_the_batch
 from lightning_memtrace.capture.frames import traceback_frames
 from lightning_memtrace.capture.storages import memory_tensors, unique_storages
 from lightning_memtrace.estimator.closed_form import closed_form
-from lightning_memtrace.analysis.frames import asking_frame, format_frame
+from lightning_memtrace.analysis.frames import asking_frame, format_frame, normalize_path
 from lightning_memtrace.estimator.fake import (
     compiled_code_runs_eagerly,
     fake_copy,
@@ -401,10 +401,13 @@ def _real_tensor_used(error: AssertionError) -> str:
 
 
 def _no_fake_kernel(error: Exception) -> str:
-    """One line for an operator torch has no fake implementation of: which, the line that called it, why not run."""
-    place = format_frame(asking_frame(traceback_frames(error, depth=128, own_frames=True)))
+    """One line for an operator torch has no fake implementation of: which, where (the line that called it, or the
+    backward, where autograd's engine did), why not run."""
+    frame = asking_frame(traceback_frames(error, depth=128, own_frames=True))
+    filename = normalize_path(str(frame.get("filename", ""))) if frame is not None else ""
+    place = "in the backward" if filename.endswith("/torch/autograd/graph.py") else f"at {format_frame(frame)}"
     return (
-        f"torch has no fake implementation of {error} (at {place}), and the estimate does not run the real kernel in "
+        f"torch has no fake implementation of {error} ({place}), and the estimate does not run the real kernel in "
         "its place (torch would, on zeros of the real sizes: real memory, on the run's device)"
     )
 
