@@ -260,3 +260,37 @@ def test_the_copy_shares_tensors_that_are_not_the_modules_state(tmp_path):
         return int(rows[(rows.step == 0) & (rows.phase == "batch_start")].peak_bytes.iloc[0])
 
     assert abs(first_batch_start_peak(True, tmp_path / "with") - first_batch_start_peak(False, tmp_path / "no")) <= 128
+
+
+class _HooksItsActivations(MLP):
+    """A forward hook registered as a closure over the module (``lambda ...: self.acts.append(out)``), read in the
+    step, as activation statistics are logged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.acts: list[torch.Tensor] = []
+        self.kinds: list[str] = []
+        self.net[1].register_forward_hook(lambda module, args, out: self._keep(out))
+
+    def _keep(self, out: torch.Tensor) -> None:
+        self.acts.append(out)
+        self.kinds.append(type(out).__name__)
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("act_mean", self.acts[-1].mean())
+        self.acts.clear()
+        return loss
+
+
+def test_a_hook_closing_over_the_module_works_on_the_copy(tmp_path):
+    """The hook's closure held the run's module: the estimate's fake activations went into the run's list (and the
+    copy's step found its own list empty: "IndexError: list index out of range", measured only)."""
+    callback = MemTrace(estimate=True, report=False, history=False, what_if_budget_s=0)
+    module = _HooksItsActivations()
+    trainer(tmp_path, [callback], max_steps=3).fit(module)
+    assert callback.estimated
+    assert module.kinds == ["Tensor"] * 3  # the run's three forwards, none of the estimate's
+    comparison = callback.estimate_comparison.set_index("category")
+    for category in ("parameters", "gradients", "optimizer_state", "activations"):
+        assert comparison.loc[category, "error_bytes"] == 0, category

@@ -11,6 +11,7 @@ import functools
 import logging
 import sys
 import threading
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -345,7 +346,7 @@ def _deep_copy(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
             if param is not None and param.grad is not None:
                 memo[id(param.grad)] = None
     try:
-        with _other_tensors_shared():
+        with _copy_rules():
             copied = copy.deepcopy(module, memo)
     except Exception as error:
         raise ValueError(
@@ -356,27 +357,65 @@ def _deep_copy(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
 
 
 @contextlib.contextmanager
-def _other_tensors_shared() -> Iterator[None]:
-    """Within, on this thread, ``copy.deepcopy`` shares a plain tensor rather than copy it: the copy's tensors that
-    are not the module's state (those are fakes, in the memo) stay the run's own, as a dataset the module keeps
-    (``self.ds = TensorDataset(...)``). A copy would be real memory, perhaps gigabytes, on the run's device, in the
-    middle of the run MemTrace measures; and a step cannot use a real tensor on fake ones anyway (the fake mode
-    refuses it). Other threads copy tensors as before."""
+def _copy_rules() -> Iterator[None]:
+    """Within, on this thread, ``copy.deepcopy`` follows the estimate's two rules (other threads copy as before):
+
+    - a plain tensor is shared rather than copied: the copy's tensors that are not the module's state (those are
+      fakes, in the memo) stay the run's own, as a dataset the module keeps (``self.ds = TensorDataset(...)``). A copy
+      would be real memory, perhaps gigabytes, on the run's device, in the middle of the run MemTrace measures; and a
+      step cannot use a real tensor on fake ones anyway (the fake mode refuses it).
+    - a closure (a hook registered as ``lambda module, args, out: self.acts.append(out)``) gets the copy of each
+      object it closes over that is being copied (the module, in the memo): its fake values go to the copy, not into
+      the run's module. What it closes over otherwise is shared, as functions always are.
+    """
     owner = threading.get_ident()
 
     def copy_tensor(tensor: Tensor, memo: dict[int, Any]) -> Tensor:
         return tensor if threading.get_ident() == owner else tensor.__deepcopy__(memo)
 
+    def copy_function(function: types.FunctionType, memo: dict[int, Any]) -> types.FunctionType:
+        closure = function.__closure__
+        if threading.get_ident() != owner or not closure:
+            return function
+        cells = [_cell_contents(cell) for cell in closure]
+        # a copy of None is one left out (the Trainer, real gradients): the closure keeps the real one, as before
+        copies = [memo.get(id(value)) if value is not _EMPTY else None for value in cells]
+        if all(copied is None for copied in copies):
+            return function
+        new_cells = [
+            types.CellType() if value is _EMPTY else types.CellType(value if copied is None else copied)
+            for value, copied in zip(cells, copies)
+        ]
+        clone = types.FunctionType(
+            function.__code__, function.__globals__, function.__name__, function.__defaults__, tuple(new_cells)
+        )
+        for name in ("__kwdefaults__", "__qualname__", "__doc__", "__annotations__", "__module__"):
+            setattr(clone, name, getattr(function, name))
+        clone.__dict__.update(function.__dict__)
+        return clone
+
     dispatch = copy._deepcopy_dispatch  # type: ignore[attr-defined]
-    previous = dispatch.get(Tensor)
-    dispatch[Tensor] = copy_tensor
+    rules = {Tensor: copy_tensor, types.FunctionType: copy_function}
+    previous = {kind: dispatch.get(kind) for kind in rules}
+    dispatch.update(rules)
     try:
         yield
     finally:
-        if previous is None:
-            dispatch.pop(Tensor, None)
-        else:
-            dispatch[Tensor] = previous
+        for kind, rule in previous.items():
+            if rule is None:
+                dispatch.pop(kind, None)
+            else:
+                dispatch[kind] = rule
+
+
+_EMPTY = object()
+
+
+def _cell_contents(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # a cell not filled yet
+        return _EMPTY
 
 
 def _attached_without_logging(module: nn.Module, copied: nn.Module) -> None:
