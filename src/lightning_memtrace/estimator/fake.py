@@ -58,9 +58,8 @@ def _estimate_fake_mode_type() -> type:
 
         def can_run_unsafe_fallback(self, func: Any) -> bool:
             made_real = [leaf for leaf in pytree.tree_leaves(self._call) if self.is_our_fake(leaf)]
-            return bool(made_real) and all(leaf.is_sparse for leaf in made_real) and super().can_run_unsafe_fallback(
-                func
-            )
+            only_sparse = bool(made_real) and all(leaf.is_sparse for leaf in made_real)
+            return only_sparse and super().can_run_unsafe_fallback(func)
 
     return EstimateFakeTensorMode
 
@@ -82,7 +81,7 @@ def value_dependent_errors() -> tuple[type[Exception], ...]:
 
 def unsupported_operator_error() -> type[Exception]:
     """What the estimate's fake mode raises for an operator torch has no fake implementation of (no meta kernel): it
-    runs no real kernel in its place (``allow_fallback_kernels=False``), which would allocate real memory."""
+    runs no real kernel in its place, which would allocate real memory (see :func:`_estimate_fake_mode_type`)."""
     from torch._subclasses.fake_tensor import UnsupportedOperatorException
 
     return UnsupportedOperatorException

@@ -70,7 +70,7 @@ def _answer_floats(original: Any) -> Any:
     """``original`` (torch's fake read), answering a floating-point read of the estimate's mode with 0.0."""
 
     def read(fake_mode: Any, func: Any, arg: Any, *args: Any, **kwargs: Any) -> Any:
-        values = getattr(fake_mode, _ATTRIBUTE, None)
+        values = estimate_values(fake_mode)
         if values is not None and getattr(arg, "item_memo", None) is None:
             if arg.dtype.is_floating_point:
                 values.note()
@@ -89,7 +89,7 @@ def _answer_bincount(original: Any) -> Any:
     counts: ``num_classes ** 2`` bins of valid labels)."""
 
     def bincount(fake_mode: Any, func: Any, inputs: Any, weights: Any = None, minlength: Any = 0) -> Any:
-        values = getattr(fake_mode, _ATTRIBUTE, None)
+        values = estimate_values(fake_mode)
         if values is not None and isinstance(minlength, int) and minlength > 0:
             values.note()
             if weights is None:
