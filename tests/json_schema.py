@@ -8,6 +8,10 @@ from typing import Any
 NoneType = type(None)
 
 
+#: Any JSON value (a finding's ``numbers`` hold ints, floats, strings, None and objects of them).
+JSON_VALUE = (int, float, str, bool, NoneType, list, dict)
+
+
 class MapOf:
     """A JSON object with any string keys and values of one type."""
 
@@ -54,6 +58,7 @@ QUESTION = {
     "phase": (str, NoneType),
     "file": (str, NoneType),
 }
+FINDING = {"code": str, "severity": str, "message": str, "numbers": MapOf(JSON_VALUE)}
 RUN = {
     "run": str,
     "label": str,
@@ -62,6 +67,7 @@ RUN = {
     "categories_inferred": bool,
     "category_rules": MapOf(str),
     "question": QUESTION,
+    "findings": [FINDING],
     "devices": [DEVICE],
 }
 SUMMARY = {"schema": str, "file": str, **RUN}

@@ -87,6 +87,27 @@ def test_summary_json_known_figures(capsys: pytest.CaptureFixture[str]) -> None:
     ]
 
 
+def test_summary_json_findings_with_their_numbers(capsys: pytest.CaptureFixture[str]) -> None:
+    """The findings of the text summary and the report, each with its code, severity, sentence and figures."""
+    path = fixture_path("kkaitlyn111_memory_files_memory_ctx128_fullstep.pickle")
+    obj = run_json(capsys, ["summary", str(path), "--json"])
+    check_shape(obj, SUMMARY)
+    (device,) = obj["devices"]
+    by_code = {f["code"]: f for f in obj["findings"]}
+    assert [f["code"] for f in obj["findings"]] == ["peak", "reserved", "top_site", "pre_existing"]
+    assert by_code["peak"]["numbers"]["peak_bytes"] == device["peak_bytes"] == 54_802_667_524
+    assert by_code["peak"]["numbers"]["by_category"] == device["categories"]
+    assert by_code["peak"]["numbers"]["top_category"] == "optimizer_state"
+    reserved = by_code["reserved"]["numbers"]
+    assert (reserved["reserved_bytes"], reserved["allocated_bytes"]) == (61_111_009_280, 54_802_667_524)
+    assert reserved["extra_bytes"] == 61_111_009_280 - 54_802_667_524
+    assert by_code["top_site"]["numbers"]["site"].endswith("cs336_basics/optimizers.py:82")
+    assert "54,802,667,524 B" in by_code["peak"]["message"]
+    # asked about a moment, the findings are still the run's
+    at = run_json(capsys, ["summary", str(path), "--json", "--at", "5"])
+    assert at["findings"] == obj["findings"]
+
+
 def test_summary_json_window_is_exact(capsys: pytest.CaptureFixture[str]) -> None:
     path = fixture_path("kkaitlyn111_memory_files_memory_ctx128_fullstep.pickle")
     dev = replay(load_snapshot(path)).main

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from pathlib import Path
@@ -124,6 +125,31 @@ def test_summary_command_per_rank_table(two_rank_folder: Path, capsys: pytest.Ca
         peak = replay(load_snapshot(two_rank_folder / f"snapshot_rank{rank}_steps0-0.pickle")).peak.live_bytes
         assert f"{peak:,} B" in out
     assert "rank imbalance" in out and "rank 1 peaks" in out
+
+
+def test_summary_json_has_the_reports_findings(
+    two_rank_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``summary --json`` carries the findings the report and the text summary show, with their numbers."""
+    page = write_report(two_rank_folder.parent, tmp_path / "r.html").read_text(encoding="utf-8")
+    assert cli.main(["summary", str(two_rank_folder.parent), "--json"]) == 0
+    obj = json.loads(capsys.readouterr().out)
+    assert obj["findings"] == summary_json(page)["findings"]
+    codes = [f["code"] for f in obj["findings"]]
+    assert codes[:2] == ["peak", "rank_imbalance"]
+    peaks = {
+        rank: replay(load_snapshot(two_rank_folder / f"snapshot_rank{rank}_steps0-0.pickle")).peak.live_bytes
+        for rank in (0, 1)
+    }
+    peak, imbalance = obj["findings"][:2]
+    assert peak["severity"] == "info" and peak["numbers"]["peak_bytes"] == obj["devices"][0]["peak_bytes"]
+    assert imbalance["severity"] == "warning"
+    assert imbalance["numbers"]["peaks"] == {"0": peaks[0], "1": peaks[1]}
+    assert imbalance["numbers"]["imbalance_bytes"] == peaks[1] - peaks[0]
+    assert imbalance["numbers"]["by_category"]["inputs"] == (256 - 8) * 64 * 4
+    assert cli.main(["summary", str(two_rank_folder.parent)]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "ranks are imbalanced" in text and f"({peaks[1] - peaks[0]:,} B, " in text
 
 
 def test_rank_imbalance_threshold() -> None:

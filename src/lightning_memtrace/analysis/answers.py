@@ -5,7 +5,7 @@ answers", and held by ``tests/cli/test_json.py``).
 Summary, one run::
 
     {"file", "run", "label", "snapshot", "is_memtrace", "categories_inferred", "category_rules", "question",
-     "devices": [device...]}
+     "findings": [{"code", "severity", "message", "numbers"}...], "devices": [device...]}
 
 A folder holding several runs: ``{"file", "runs": [<one run's object>...]}``, oldest first. Each device::
 
@@ -16,12 +16,16 @@ A folder holding several runs: ``{"file", "runs": [<one run's object>...]}``, ol
 
 from __future__ import annotations
 
+import enum
+import math
 from typing import Any
 
 from lightning_memtrace.analysis.annotations import annotation_rows
 from lightning_memtrace.analysis.diff import Diff
+from lightning_memtrace.analysis.findings import Finding
 from lightning_memtrace.analysis.model import DeviceReplay, Peak
 from lightning_memtrace.analysis.questions import Answer, Question, ask, phase_peaks
+from lightning_memtrace.analysis.ranks import rank_overview, source_findings
 from lightning_memtrace.analysis.source import LoadedSnapshot, ReportSource
 
 #: Version of the summary object's layout (``"schema"``); bumped when a key changes meaning or goes away.
@@ -87,6 +91,35 @@ def device_object(dev: DeviceReplay, answer: Answer, loaded: LoadedSnapshot, max
     return obj
 
 
+def plain_value(value: Any) -> Any:
+    """``value`` as JSON has it: ints, floats (a NaN or infinity as None), strings, bools, None, lists and objects
+    with string keys; enums and NumPy scalars become their Python values, anything else its ``str``."""
+    if isinstance(value, enum.Enum):
+        value = value.value
+    if isinstance(value, dict):
+        return {str(plain_value(k)): plain_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain_value(v) for v in value]
+    if hasattr(value, "item") and callable(value.item):  # a NumPy scalar
+        value = value.item()
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    return str(value)
+
+
+def finding_object(finding: Finding) -> dict[str, Any]:
+    """One finding: its stable ``code``, ``severity`` (``info`` / ``warning``), the sentence shown to the user and
+    the figures behind it (bytes as ints)."""
+    return {
+        "code": finding.code,
+        "severity": str(finding.severity),
+        "message": finding.message,
+        "numbers": plain_value(finding.numbers),
+    }
+
+
 def question_object(question: Question) -> dict[str, Any]:
     """The question as asked (None where not)."""
     return {
@@ -117,6 +150,7 @@ def run_object(
         "categories_inferred": bool(main is not None and main.replay.inferred),
         "category_rules": dict(main.replay.category_rules) if main is not None else {},
         "question": question_object(question),
+        "findings": [finding_object(f) for f in source_findings(source, rank_overview(source))],
         "devices": [],
     }
     if main is None:

@@ -6,7 +6,7 @@ import dataclasses
 
 import pandas as pd
 
-from lightning_memtrace.analysis.findings import Finding, Severity
+from lightning_memtrace.analysis.findings import Finding, Severity, compute_findings, compute_findings_phases_only
 from lightning_memtrace.analysis.source import LoadedSnapshot, ReportSource
 from lightning_memtrace.types import ROW_CATEGORIES, TRAIN_PHASES, category_label
 from lightning_memtrace.units import format_bytes, percent
@@ -210,6 +210,18 @@ def rank_overview(source: ReportSource) -> RankOverview | None:
     imbalance = _imbalance(rows)
     parts = imbalance_parts(phases, imbalance.high_rank, imbalance.low_rank) if imbalance is not None else {}
     return RankOverview(rows, columns, imbalance, parts)
+
+
+def source_findings(source: ReportSource, overview: RankOverview | None) -> list[Finding]:
+    """Every finding of one run, as the report, ``memtrace summary`` and its ``--json`` give them: the main
+    snapshot's (with the phases CSV's), or the phases CSV's alone where there is no snapshot, and the rank imbalance
+    of ``overview`` (:func:`rank_overview`) right after the peak."""
+    if source.main is not None:
+        findings = compute_findings(source.main.replay, source.phases)
+    else:
+        assert source.phases is not None  # a source is a snapshot, a phases CSV or both
+        findings = compute_findings_phases_only(source.phases)
+    return add_rank_finding(findings, overview)
 
 
 def add_rank_finding(findings: list[Finding], overview: RankOverview | None) -> list[Finding]:

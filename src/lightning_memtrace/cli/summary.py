@@ -232,22 +232,17 @@ def print_annotations(out: Any, main: Any) -> None:
 
 def print_source(out: Any, source: Any, sites: int) -> None:
     """One run's tables: the peak, categories, sites, ranks, per-phase peaks and findings."""
-    from lightning_memtrace.analysis.findings import compute_findings, compute_findings_phases_only
-    from lightning_memtrace.analysis.ranks import add_rank_finding, rank_overview
+    from lightning_memtrace.analysis.ranks import rank_overview, source_findings
     from lightning_memtrace.analysis.view import snapshot_view
 
     main = source.main
     if main is not None:
         view = snapshot_view(main, max_sites=sites)
-        findings = compute_findings(main.replay, source.phases)
         for table in (info_table(view), categories_table(view), sites_table(view, out.width)):
             out.print(table)
-    else:
-        assert source.phases is not None
-        findings = compute_findings_phases_only(source.phases)
     overview = rank_overview(source)
+    findings = source_findings(source, overview)
     if overview is not None:
-        add_rank_finding(findings, overview)
         out.print(ranks_table(overview))
         if overview.imbalance is not None:
             imb = overview.imbalance

@@ -11,9 +11,10 @@ from typing import Any
 import pandas as pd
 
 from lightning_memtrace.analysis.annotations import annotated_ranges, annotation_rows, compile_context_sites
+from lightning_memtrace.analysis.answers import finding_object
 from lightning_memtrace.analysis.categories import INFERENCE_RULES
-from lightning_memtrace.analysis.findings import Finding, compute_findings, compute_findings_phases_only
-from lightning_memtrace.analysis.ranks import RankOverview, add_rank_finding, rank_overview
+from lightning_memtrace.analysis.findings import Finding
+from lightning_memtrace.analysis.ranks import RankOverview, rank_overview, source_findings
 from lightning_memtrace.analysis.source import LoadedSnapshot, ReportSource, run_name
 from lightning_memtrace.analysis.view import MemoryView, snapshot_view
 from lightning_memtrace.files import ESTIMATE_COMPARISON_GLOB, WHAT_IF_GLOB, rank_of, what_if_filename
@@ -106,7 +107,6 @@ def _snapshot_sections(page: _Page, main: LoadedSnapshot, source: ReportSource, 
     data = timeline_data(dev, max_points)
     title = f"{main.path.name} — device {dev.device}: live memory by category"
     fig = build_figure(dev, data, title)
-    page.findings = compute_findings(rep, source.phases)
     page.summary.update(
         {
             "snapshot": main.path.name,
@@ -192,7 +192,6 @@ def _annotations_section(page: _Page, dev: Any) -> None:
 
 
 def _phases_only_sections(page: _Page, phases: pd.DataFrame) -> None:
-    page.findings = compute_findings_phases_only(phases)
     page.sections.append(f"<h2>Memory per phase</h2>{page.chart(phases_figure(phases), 'timeline')}")
     page.summary["peak_bytes"] = int(phases["peak_bytes"].max())
 
@@ -254,14 +253,12 @@ def _rank_summary(overview: RankOverview) -> dict[str, Any]:
     return summary
 
 
-def _rank_sections(page: _Page, source: ReportSource, max_points: int) -> None:
-    overview = rank_overview(source)
+def _rank_sections(page: _Page, source: ReportSource, overview: RankOverview | None, max_points: int) -> None:
     if overview is None:
         return
     # after the main chart in page order: the per-rank charts rely on the plotly.js it embeds
     page.sections.insert(0, ranks_html(overview))
     page.sections.append(_rank_charts_html(page, overview, source.phases, max_points))
-    add_rank_finding(page.findings, overview)
     page.summary.update(_rank_summary(overview))
 
 
@@ -374,9 +371,11 @@ def _fill(page: _Page, source: ReportSource, max_points: int, png_path: str | os
         _snapshot_sections(page, main, source, max_points, png_path)
     elif source.phases is not None:
         _phases_only_sections(page, source.phases)
-    _rank_sections(page, source, max_points)
+    overview = rank_overview(source)
+    _rank_sections(page, source, overview, max_points)
     page.sections += _other_sections(source)
-    page.summary["findings"] = [{"code": f.code, "message": f.message} for f in page.findings]
+    page.findings = source_findings(source, overview)
+    page.summary["findings"] = [finding_object(f) for f in page.findings]
 
 
 def _document(title: str, body: str, summary: dict[str, Any]) -> str:
