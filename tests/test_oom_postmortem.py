@@ -395,3 +395,42 @@ def test_a_plain_loop_recorder_writes_the_post_mortem_of_an_oom_raised_as_anothe
                 raise ValueError("wrapped") from error
     assert sorted(p.name for p in tmp_path.glob("oom_*")) == ["oom_rank0_step0.pickle", "oom_rank0_step0.txt"]
     assert "raised as:     ValueError: wrapped\n" in (tmp_path / "oom_rank0_step0.txt").read_text()
+
+
+def test_the_oom_snapshot_counts_categories_as_the_post_mortem_does(tmp_path):
+    """A tensor the forward made and did not save, alive at the error: ``other`` in the text and in the pickle
+    (whose replay once guessed "activations" from where it was made, and advised checkpointing)."""
+    from lightning_memtrace.analysis.loader import load_snapshot
+    from lightning_memtrace.analysis.replay import replay
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scratch_bytes = 4 * 1024**2
+    with pytest.raises(RuntimeError, match="can't allocate memory"):
+        with MemoryRecorder(model, [optimizer], output_dir=tmp_path, what_if_budget_s=0) as recorder:
+            for step in range(2):
+                x = torch.randn(8, 64)
+                recorder.begin_batch(x, step=step)
+                out = model(x)
+                if step == 1:
+                    scratch = torch.zeros(scratch_bytes // 4)  # noqa: F841 (alive at the error)
+                    torch.empty(10**15, dtype=torch.uint8)
+                recorder.mark_forward_done()
+                out.sum().backward()
+                recorder.mark_backward_done()
+                optimizer.step()
+                optimizer.zero_grad()
+                recorder.end_batch()
+    text = (tmp_path / "oom_rank0_step1.txt").read_text()
+    in_text = {
+        line.split()[0]: int(line.split("(")[-1].rstrip(" B)").replace(",", ""))
+        for line in _section(text, "live memory by category:")
+    }
+    dev = replay(load_snapshot(tmp_path / "oom_rank0_step1.pickle")).main
+    live = dev.allocations[dev.allocations["end_index"] >= dev.num_events]
+    in_pickle = live.groupby(live["category"].astype(str), observed=True)["size"].sum()
+    assert in_text["other"] >= scratch_bytes and in_pickle["other"] >= scratch_bytes
+    # saved for backward: GELU's input and the second Linear's input (8 x 256 float32 each); x is the batch
+    assert int(in_pickle["activations"]) == in_text["activations"] == 2 * 8 * 256 * 4
+    assert int(in_pickle["parameters"]) == in_text["parameters"] == sum(p.numel() * 4 for p in model.parameters())

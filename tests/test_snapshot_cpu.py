@@ -9,7 +9,11 @@ from pathlib import Path
 import torch
 from torch.cuda import _memory_viz
 
+import pytest
+
 from lightning_memtrace import MemoryRecorder
+from lightning_memtrace.analysis.loader import load_snapshot
+from lightning_memtrace.analysis.replay import replay
 
 
 def _train_with_recorder(tmp_path, steps=4):
@@ -72,7 +76,7 @@ def test_snapshot_passes_torch_readers_and_adds_up(tmp_path):
     assert meta["categories"]["parameters"] == params
     assert meta["categories"]["optimizer_state"] == 2 * params + 4 * 4
     categories = {b["category"] for s in snapshot["segments"] for b in s["blocks"]}
-    assert categories <= {"parameters", "gradients", "optimizer_state", "inputs", "activations", "unknown"}
+    assert categories <= {"parameters", "gradients", "optimizer_state", "inputs", "activations", "other", "unknown"}
     assert {"parameters", "optimizer_state"} <= categories
     alloc_categories = {e["category"] for e in trace if e["action"] == "alloc"}
     assert {"activations", "gradients", "inputs"} <= alloc_categories
@@ -228,3 +232,62 @@ def test_a_callbacks_own_memory_is_blamed_on_its_code_not_on_the_fit_call(tmp_pa
     (snapshot,) = sorted(Path(callback.output_dir).glob("snapshot_rank0_*.pickle"))
     (finding,) = peak_finding(replay(load_snapshot(snapshot)))
     assert " outside a training pass, in step " in finding.message and "in outside" not in finding.message
+
+
+KEPT_BYTES = 16 * 1024  # made in the forward, kept by the step: neither saved for backward nor a named kind
+
+
+def _keep_one_tensor_a_step(tmp_path: Path, **settings) -> tuple[Path, list[torch.Tensor]]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+    optimizer = torch.optim.AdamW(model.parameters())
+    kept = []
+    with MemoryRecorder(model, [optimizer], output_dir=tmp_path, history_skip_steps=0, **settings) as recorder:
+        for step in range(2):
+            x = torch.randn(8, 32)
+            recorder.begin_batch(x, step=step)
+            out = model(x)
+            kept.append(torch.full((KEPT_BYTES // 4,), float(step)))
+            recorder.mark_forward_done()
+            out.sum().backward()
+            recorder.mark_backward_done()
+            optimizer.step()
+            optimizer.zero_grad()
+            recorder.end_batch()
+    (path,) = sorted(tmp_path.rglob("snapshot_*.pickle"))
+    return path, kept
+
+
+@pytest.mark.parametrize("backend", ["reports", "dispatch"])
+def test_what_a_row_did_not_name_is_other_in_the_snapshot(tmp_path: Path, backend: str) -> None:
+    """A tensor alive at the rows that none of them named is ``other``, as the rows count it, not an activation
+    guessed from where it was made (saved activations stay activations)."""
+    path, _ = _keep_one_tensor_a_step(tmp_path, history_steps=2, allocation_backend=backend)
+    trace = pickle.loads(path.read_bytes())["device_traces"][0]
+    kept = [e for e in trace if e["action"] == "alloc" and e["size"] == KEPT_BYTES]
+    assert len(kept) == 2 and {e["category"] for e in kept} == {"other"}
+    assert any(e["category"] == "activations" for e in trace if e["action"] == "alloc")
+    allocations = replay(load_snapshot(path)).main.allocations
+    rows = allocations[allocations["size"] == KEPT_BYTES]
+    assert rows["category"].astype(str).tolist() == ["other", "other"] and not rows["inferred"].any()
+
+
+def test_what_no_row_looked_at_is_still_inferred(tmp_path: Path) -> None:
+    """Steps that take no row (``every_n_steps``) name nothing: there the kept tensor's category is inferred."""
+    path, _ = _keep_one_tensor_a_step(tmp_path, history_steps=2, every_n_steps=5)
+    trace = pickle.loads(path.read_bytes())["device_traces"][0]
+    # step 0 takes rows (0 % 5 == 0): its tensor is other; step 1 takes none: unknown, inferred
+    assert [e["category"] for e in trace if e["action"] == "alloc" and e["size"] == KEPT_BYTES] == ["other", "unknown"]
+    allocations = replay(load_snapshot(path)).main.allocations
+    rows = allocations[allocations["size"] == KEPT_BYTES].sort_values("alloc_index")
+    assert rows["category"].astype(str).tolist() == ["other", "activations"]
+    assert rows["inferred"].tolist() == [False, True]
+
+
+def test_a_rule_names_what_memtrace_left_as_other(tmp_path: Path) -> None:
+    path, _ = _keep_one_tensor_a_step(tmp_path, history_steps=2, category_rules={"kept": r"_keep_one_tensor_a_step$"})
+    allocations = replay(load_snapshot(path)).main.allocations
+    rows = allocations[allocations["size"] == KEPT_BYTES]
+    assert rows["category"].astype(str).tolist() == ["kept", "kept"] and rows["inferred"].all()
+    measured = allocations[~allocations["inferred"]]["category"].astype(str)
+    assert "kept" not in set(measured) and "parameters" in set(measured)

@@ -318,14 +318,16 @@ def build_allocations(
     inferred = infer_categories(a_stage, a_stage_end, a_index, e_index, n, np.nonzero(ev.stage == S_FWD)[0])
     a_forced = np.concatenate([ev.forced[rows], np.full(n_old, -1, dtype=np.int16)])
     inferred = np.where((a_forced >= 0) & (a_index >= 0), a_forced, inferred).astype(np.int16)
-    if rules and ev.rule is not None:
-        seed_rules = rules.stack_codes([b[3] for b in blocks])
-        a_rule = np.concatenate([ev.rule[rows], np.full(len(pre), -1, dtype=np.int16), seed_rules])
-        inferred = np.where(a_rule >= 0, a_rule, inferred).astype(np.int16)
     recorded = np.concatenate(
         [ev.recorded[rows], ev.recorded[pre], np.array([CAT_CODE.get(b[2], -1) for b in blocks], dtype=np.int16)]
     )
     a_inferred = recorded < 0
+    if rules and ev.rule is not None:
+        seed_rules = rules.stack_codes([b[3] for b in blocks])
+        a_rule = np.concatenate([ev.rule[rows], np.full(len(pre), -1, dtype=np.int16), seed_rules])
+        # "other" as MemTrace records it is what it did not name: a rule may name it, as it names guesses
+        a_inferred |= (a_rule >= 0) & (recorded == CAT_CODE["other"])
+        inferred = np.where(a_rule >= 0, a_rule, inferred).astype(np.int16)
     a_cat = np.where(a_inferred, inferred, recorded).astype(np.int16)
     _fill_pre_existing_sites(a_site, a_cat, table, rules.categories if rules else CATEGORIES)
     a_context = None

@@ -22,6 +22,8 @@ from lightning_memtrace.types import Category, Frame
 #: Kinds of history events: ``(ALLOC, time_us, entry)``, ``(FREE, time_us, entry, metadata)``,
 #: ``(OOM, time_us, event)``.
 ALLOC, FREE, OOM = 0, 1, 2
+#: Naming points kept (five rows a step: the last 200 steps' rows).
+NAMING_POINTS_KEPT = 1000
 #: Plain-str names of the category enums (so that snapshots pickle str, and label() skips Enum.__str__).
 _CATEGORY_NAMES: dict[Any, str] = {category: category.value for category in Category}
 
@@ -54,9 +56,10 @@ class RowMark:
         allocated: Bytes live at the mark (None until the stream reaches it).
         peak: Highest bytes live since the previous row's mark (None until then).
         payload: What the taker of the row keeps with it.
+        names: Whether the row named the live storages (a row taken); a mark that only changes the stage does not.
     """
 
-    __slots__ = ("stage", "metadata", "labels", "foreign", "allocated", "peak", "payload")
+    __slots__ = ("stage", "metadata", "labels", "foreign", "allocated", "peak", "payload", "names")
 
     def __init__(
         self,
@@ -65,6 +68,7 @@ class RowMark:
         labels: list[tuple[int, str]] | None = None,
         foreign: list[tuple[weakref.ref, str]] | None = None,
         payload: Any = None,
+        names: bool = False,
     ) -> None:
         self.stage = stage
         self.metadata = metadata
@@ -73,6 +77,7 @@ class RowMark:
         self.allocated: int | None = None
         self.peak: int | None = None
         self.payload = payload
+        self.names = names
 
 
 @dataclass
@@ -128,6 +133,10 @@ class AllocationState:
         #: Where a free seen by weak reference goes while the reports backend defers rows (see ``ReportsBackend.mark``).
         self.defer_free: Callable[[LiveAllocation], None] | None = None
         self.events: deque[tuple] = deque(maxlen=history_size)
+        #: The newest history event at each point where the live storages were named (a row taken, the post-mortem's
+        #: walk): an allocation alive across such a point that got no category was none of the named kinds there,
+        #: i.e. ``other`` (:func:`~lightning_memtrace.capture.snapshot_builder.build_snapshot`).
+        self.naming_points: deque[tuple | None] = deque(maxlen=NAMING_POINTS_KEPT)
         #: ``record_function`` ranges entered and left inside a history window: ``(time_us, "START" | "END", name)``.
         self.annotations: deque[tuple[int, str, str]] = deque(maxlen=history_size)
         #: Names of the ranges open now (innermost last): an exit names the range it closes.
@@ -268,6 +277,10 @@ class AllocationState:
         self.live_addrs.pop(entry.addr, None)
         self.count_down(entry)
 
+    def note_naming(self) -> None:
+        """The live storages were named here (see :attr:`naming_points`)."""
+        self.naming_points.append(self.events[-1] if self.events else None)
+
     def label(self, storages: dict[int, tuple[str, torch.UntypedStorage]]) -> None:
         """Count the storages not counted yet (adopted) and tag every one with its category.
 
@@ -287,3 +300,4 @@ class AllocationState:
                     continue
             name = _CATEGORY_NAMES.get(category)
             entry.category = name if name is not None else str(category)
+        self.note_naming()

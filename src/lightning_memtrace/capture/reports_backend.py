@@ -546,6 +546,8 @@ class ReportsBackend:
                 entry = live.get(key) if key is not None else None
             if entry is not None:
                 entry.category = category
+        if row.names:
+            state.note_naming()
         row.allocated = allocated = state.allocated
         row.peak = max(state.peak, allocated)
         state.reset_peak()

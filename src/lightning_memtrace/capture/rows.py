@@ -220,7 +220,7 @@ class RowReader:
             totals, labels, foreign = row_parts(tracker, named, self._inputs)
         else:
             totals, labels, foreign = self._validation_parts(tracker)
-        row = RowMark(tracker.stage, tracker.metadata, labels, foreign, (place, totals))
+        row = RowMark(tracker.stage, tracker.metadata, labels, foreign, (place, totals), names=True)
         tracker.mark(row)
         self.deferred.append(row)
 

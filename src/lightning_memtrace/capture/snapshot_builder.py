@@ -15,9 +15,13 @@ from typing import Any
 
 from lightning_memtrace.capture.allocation_state import ALLOC, FREE, LiveAllocation, OutOfMemoryEvent
 from lightning_memtrace.schema import CATEGORY_FIELD, TAG_FIELD
+from lightning_memtrace.types import Category
 
-#: The category of an allocation that is none of parameters, gradients, optimizer state, inputs or activations.
+#: The category of an allocation MemTrace never saw when it named the live storages (readers infer one for it).
 UNKNOWN_CATEGORY = "unknown"
+#: The category of an allocation alive where MemTrace named the live storages that was none of them (as the rows
+#: count it).
+UNNAMED_CATEGORY = Category.OTHER.value
 
 
 def build_snapshot(
@@ -27,14 +31,19 @@ def build_snapshot(
     device_index: int,
     metadata: str,
     annotations: Iterable[tuple[int, str, str]] = (),
+    naming_points: Iterable[tuple | None] = (),
 ) -> dict[str, Any]:
     """The snapshot dict of the live ``entries`` and the history ``events`` since ``since_us`` (Unix microseconds).
 
     ``metadata`` is the tag of the stage now (the trace's closing marker event carries it); ``annotations`` are the
-    ``(time_us, "START" | "END", name)`` of the ranges noted (those since ``since_us`` are kept).
+    ``(time_us, "START" | "END", name)`` of the ranges noted (those since ``since_us`` are kept); ``naming_points``
+    the newest event at each point where the live storages were named (an allocation alive across one without a
+    category gets :data:`UNNAMED_CATEGORY`).
     """
-    segments = [_segment(entry, device_index) for entry in sorted(entries, key=lambda e: e.addr)]
-    trace = _trace(events, since_us)
+    events = list(events)
+    unnamed = unnamed_at_naming(events, naming_points)
+    segments = [_segment(entry, device_index, unnamed) for entry in sorted(entries, key=lambda e: e.addr)]
+    trace = _trace(events, since_us, unnamed)
     if trace:
         # MemoryViz.js colours allocations by `category` and then appends "unknown" to its category list with a
         # typo (`snapshot.categores`) that throws unless "unknown" is already listed: make sure it is, with a
@@ -66,14 +75,41 @@ def build_snapshot(
     }
 
 
-def _segment(entry: LiveAllocation, device_index: int) -> dict[str, Any]:
+def unnamed_at_naming(events: list[tuple], naming_points: Iterable[tuple | None]) -> set[int]:
+    """The ``id`` of every allocation in ``events`` without a category that was alive at a naming point (made before
+    it, freed after it or never): one that the naming found to be none of the named kinds."""
+    points = {id(point) for point in naming_points if point is not None}
+    if not points:
+        return set()
+    namings = 0
+    alive: dict[int, tuple[int, LiveAllocation]] = {}  # allocation -> (naming points passed when it was made, it)
+    unnamed: set[int] = set()
+    for event in events:
+        kind = event[0]
+        if kind == ALLOC:
+            alive[id(event[2])] = (namings, event[2])
+        elif kind == FREE and id(event[2]) in alive:
+            passed, entry = alive.pop(id(event[2]))
+            if namings > passed and entry.category is None:
+                unnamed.add(id(entry))
+        if id(event) in points:
+            namings += 1
+    unnamed.update(key for key, (passed, entry) in alive.items() if namings > passed and entry.category is None)
+    return unnamed
+
+
+def _category(entry: LiveAllocation, unnamed: set[int]) -> str:
+    return entry.category or (UNNAMED_CATEGORY if id(entry) in unnamed else UNKNOWN_CATEGORY)
+
+
+def _segment(entry: LiveAllocation, device_index: int, unnamed: set[int]) -> dict[str, Any]:
     block = {
         "address": entry.addr,
         "size": entry.nbytes,
         "requested_size": entry.nbytes,
         "state": "active_allocated",
         "frames": entry.frames or [],
-        CATEGORY_FIELD: entry.category or UNKNOWN_CATEGORY,
+        CATEGORY_FIELD: _category(entry, unnamed),
         TAG_FIELD: entry.metadata,
     }
     return {
@@ -92,7 +128,7 @@ def _segment(entry: LiveAllocation, device_index: int) -> dict[str, Any]:
     }
 
 
-def _trace(events: Iterable[tuple], since_us: int) -> list[dict[str, Any]]:
+def _trace(events: Iterable[tuple], since_us: int, unnamed: set[int]) -> list[dict[str, Any]]:
     trace: list[dict[str, Any]] = []
     for event in events:
         if event[1] < since_us:
@@ -100,17 +136,21 @@ def _trace(events: Iterable[tuple], since_us: int) -> list[dict[str, Any]]:
         kind = event[0]
         if kind == ALLOC:
             entry = event[2]
-            trace.append(_trace_entry("alloc", entry, event[1], entry.frames or [], entry.metadata))
+            category = _category(entry, unnamed)
+            trace.append(_trace_entry("alloc", entry, event[1], entry.frames or [], entry.metadata, category))
         elif kind == FREE:
             entry = event[2]
-            trace.append(_trace_entry("free_requested", entry, event[1], [], event[3]))
-            trace.append(_trace_entry("free_completed", entry, event[1], [], event[3]))
+            category = _category(entry, unnamed)
+            trace.append(_trace_entry("free_requested", entry, event[1], [], event[3], category))
+            trace.append(_trace_entry("free_completed", entry, event[1], [], event[3], category))
         else:
             trace.append(_oom_entry(event[2]))
     return trace
 
 
-def _trace_entry(action: str, entry: LiveAllocation, time_us: int, frames: list, metadata: str) -> dict[str, Any]:
+def _trace_entry(
+    action: str, entry: LiveAllocation, time_us: int, frames: list, metadata: str, category: str
+) -> dict[str, Any]:
     return {
         "action": action,
         "addr": entry.addr,
@@ -118,7 +158,7 @@ def _trace_entry(action: str, entry: LiveAllocation, time_us: int, frames: list,
         "stream": 0,
         "time_us": time_us,
         TAG_FIELD: metadata,
-        CATEGORY_FIELD: entry.category or UNKNOWN_CATEGORY,
+        CATEGORY_FIELD: category,
         "frames": frames,
     }
 

@@ -361,5 +361,11 @@ class AllocationTracker:
         self.sync()
         state = self._state
         return build_snapshot(
-            state.entries(), list(state.events), since_us, device_index, self.metadata, list(state.annotations)
+            state.entries(),
+            list(state.events),
+            since_us,
+            device_index,
+            self.metadata,
+            list(state.annotations),
+            list(state.naming_points),
         )
