@@ -152,7 +152,7 @@ def test_an_out_of_memory_error_observed_then_caught_is_forgotten_at_the_next_ba
 
     fake = _FakeCudaAllocator(monkeypatch, allocated=2048, reserved=8192, peak=2048, peak_reserved=8192)
     recorder = MemoryRecorder(None, device="cuda:0", output_dir=tmp_path, history=False, post_mortem=False)
-    monkeypatch.setattr(recorder.window, "snapshot_now", lambda: {"segments": [], "device_traces": [[]]})
+    monkeypatch.setattr(recorder.window, "snapshot_now", lambda **_: {"segments": [], "device_traces": [[]]})
     with recorder:
         recorder.begin_batch(None, step=0)
         recorder.on_cuda_oom(0, 10**12, 2048, 0)  # observed; the user's code catches the error
@@ -331,7 +331,7 @@ def test_a_cuda_post_mortem_says_whether_expandable_segments_would_have_served_t
     for blocks, limit in ((6, 60 * MIB), (4, 40 * MIB), (0, 0)):
         recorder = MemoryRecorder(None, device="cuda:0", output_dir=tmp_path, history=False, post_mortem=False)
         snapshot = snapshot_of_an_oom(blocks, limit) if blocks else {"segments": [], "device_traces": [[]]}
-        monkeypatch.setattr(recorder.window, "snapshot_now", lambda snapshot=snapshot: snapshot)
+        monkeypatch.setattr(recorder.window, "snapshot_now", lambda snapshot=snapshot, **_: snapshot)
         with recorder:
             recorder.begin_batch(None, step=0)
             recorder.on_cuda_oom(0, 12 * MIB, 24 * MIB, 0)

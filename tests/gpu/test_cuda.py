@@ -90,6 +90,32 @@ def test_cuda_snapshot_has_phase_metadata(tmp_path):
     assert not later["device_traces"] or len(later["device_traces"][0]) <= len(trace)
 
 
+def test_cuda_snapshot_carries_the_rows_categories(tmp_path):
+    """The allocator's own snapshot gets the categories the rows named (``capture.cuda_names``): the parameters
+    recorded, not inferred; the forward's saved tensors as activations, the backward's gradients as gradients."""
+    from torch.cuda import _memory_viz
+
+    from lightning_memtrace.analysis.loader import load_snapshot
+    from lightning_memtrace.analysis.replay import replay
+
+    callback = MemTrace()
+    module = TinyLM(batch_size=4, seq_len=64)
+    _gpu_trainer(tmp_path, [callback], max_steps=4).fit(module)
+    path = callback.output_dir / "snapshot_rank0_steps1-2.pickle"
+    with open(path, "rb") as handle:
+        snapshot = pickle.load(handle)
+    allocs = [e for e in snapshot["device_traces"][0] if e["action"] == "alloc"]
+    assert {"activations", "gradients"} <= {e["category"] for e in allocs}
+    _memory_viz.trace_plot(snapshot)
+    dev = replay(load_snapshot(path)).main
+    allocations = dev.allocations
+    params = allocations[(allocations["category"].astype(str) == "parameters") & ~allocations["inferred"]]
+    pbytes = unique_storage_bytes(module.parameters())
+    assert pbytes <= int(params["size"].sum()) <= pbytes + 512 * len(list(module.parameters()))
+    saved = allocations[(allocations["category"].astype(str) == "activations") & ~allocations["inferred"]]
+    assert int(saved["size"].sum()) > 1_000_000
+
+
 def test_real_cuda_oom_post_mortem(tmp_path):
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(0).total_memory

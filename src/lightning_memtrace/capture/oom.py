@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from lightning_memtrace.analysis.postmortem import (
     render_post_mortem,
 )
 from lightning_memtrace.capture.categories import NamedStorages
+from lightning_memtrace.capture.cuda_names import naming_of
 from lightning_memtrace.capture.oom_errors import out_of_memory_in, requested_bytes_from_message
 from lightning_memtrace.capture.outputs import RecorderFiles
 from lightning_memtrace.capture.tracker import AllocationTracker, OutOfMemoryEvent
@@ -80,14 +82,17 @@ class OomCapture:
     def capture(self, requested: int | None, frames: list, device_free: int | None = None) -> None:
         """Keep the state now (called where the allocation failed, before the stack unwinds)."""
         self.sync()
-        totals = {c.value: v for c, v in self.classify().totals.items()}
+        time_us = time.time_ns() // 1000
+        named = self.classify()
+        totals = {c.value: v for c, v in named.totals.items()}
         if self.tracker is not None:
             allocated = reserved = self.tracker.counters()[0]
             largest = self._live_blocks()
             snapshot = None
         else:
             allocated, reserved = cuda_allocated(self.device), cuda_reserved(self.device)
-            snapshot = self.window.snapshot_now() if self.device.type == "cuda" else None
+            cuda = self.device.type == "cuda"
+            snapshot = self.window.snapshot_now(naming=naming_of(named, time_us)) if cuda else None
             largest = largest_blocks_from_snapshot(snapshot) if snapshot else []
         totals[Category.OTHER.value] = max(0, allocated - sum(totals.values()))
         step, _, _, stage, _ = self.where()

@@ -184,6 +184,8 @@ class MemoryRecorder:
         self.window = HistoryWindow(
             self.config, self.device, rank, self.tracker, self.outputs, self.rows.classify, self._sync, self._warn, self.run_id
         )
+        if self.tracker is None and self.device.type == "cuda":  # the allocator's snapshot gets the rows' categories
+            self.rows.on_named = self.window.note_names
         self.oom = OomCapture(
             self.device,
             rank,

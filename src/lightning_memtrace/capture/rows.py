@@ -8,8 +8,10 @@ reaches the row's mark (:class:`~lightning_memtrace.capture.tracker.RowMark`).
 from __future__ import annotations
 
 import dataclasses
+import time
 import weakref
 from collections import deque
+from collections.abc import Callable
 from itertools import filterfalse
 from typing import Any, NamedTuple
 
@@ -125,6 +127,8 @@ class RowReader:
     tracker: AllocationTracker | None
     counters: MemoryCounters | None
     training: bool = dataclasses.field(default=False, init=False)
+    #: Told of every naming of the live storages and its time (Unix microseconds), or None.
+    on_named: Callable[[NamedStorages, int], None] | None = dataclasses.field(default=None, init=False)
     #: Rows named and waiting for the report stream to reach their marks, oldest first.
     deferred: deque[RowMark] = dataclasses.field(default_factory=deque, init=False)
     _inputs: dict[int, weakref.ref] = dataclasses.field(default_factory=dict, init=False)
@@ -169,11 +173,14 @@ class RowReader:
 
     def classify(self) -> NamedStorages:
         """Every storage nameable now; the tracker counts those it did not see made and tags all of them."""
+        time_us = time.time_ns() // 1000
         named = self.categories.name(
             inputs=self._live_inputs(), saved=self.saved.live_storages() if self.training else None
         )
         if self.tracker is not None:
             self.tracker.label(named.storages)
+        if self.on_named is not None:
+            self.on_named(named, time_us)
         return named
 
     def _validation_parts(self, tracker: AllocationTracker | None) -> tuple[dict[Category, int], Labels, Foreign]:

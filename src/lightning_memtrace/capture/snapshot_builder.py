@@ -45,21 +45,7 @@ def build_snapshot(
     segments = [_segment(entry, device_index, unnamed) for entry in sorted(entries, key=lambda e: e.addr)]
     trace = _trace(events, since_us, unnamed)
     if trace:
-        # MemoryViz.js colours allocations by `category` and then appends "unknown" to its category list with a
-        # typo (`snapshot.categores`) that throws unless "unknown" is already listed: make sure it is, with a
-        # `snapshot` marker event, which every reader treats as a no-op.
-        trace.append(
-            {
-                "action": "snapshot",
-                "addr": 0,
-                "size": 0,
-                "stream": 0,
-                "time_us": time.time_ns() // 1000,
-                TAG_FIELD: metadata,
-                CATEGORY_FIELD: UNKNOWN_CATEGORY,
-                "frames": [],
-            }
-        )
+        trace.append(unknown_marker(time.time_ns() // 1000, metadata))
     device_traces: list[list[dict[str, Any]]] = [[] for _ in range(device_index + 1)]
     device_traces[device_index] = trace
     external = [
@@ -72,6 +58,24 @@ def build_snapshot(
         "device_traces": device_traces,
         "allocator_settings": {},
         "external_annotations": external,
+    }
+
+
+def unknown_marker(time_us: int, metadata: str) -> dict[str, Any]:
+    """A ``snapshot`` event of category ``unknown``, which every reader treats as a no-op.
+
+    MemoryViz.js colours allocations by ``category`` and then appends "unknown" to its category list with a typo
+    (``snapshot.categores``) that throws unless "unknown" is already listed: a trace with categories ends with this.
+    """
+    return {
+        "action": "snapshot",
+        "addr": 0,
+        "size": 0,
+        "stream": 0,
+        "time_us": time_us,
+        TAG_FIELD: metadata,
+        CATEGORY_FIELD: UNKNOWN_CATEGORY,
+        "frames": [],
     }
 
 

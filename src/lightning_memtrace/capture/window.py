@@ -14,6 +14,7 @@ import torch
 from lightning_memtrace.capture import cuda_history
 from lightning_memtrace.capture.categories import NamedStorages
 from lightning_memtrace.capture.config import RecorderConfig
+from lightning_memtrace.capture.cuda_names import Naming, name_allocations, naming_of
 from lightning_memtrace.capture.outputs import RecorderFiles
 from lightning_memtrace.capture.tracker import AllocationTracker
 from lightning_memtrace.files import step_snapshot_filename, window_snapshot_filename
@@ -22,6 +23,8 @@ from lightning_memtrace.types import STAGE_AFTER_PHASE, Phase, Stage
 
 #: The key of torch's snapshot that holds ``record_function`` ranges (and MemTrace's phases).
 ANNOTATIONS_KEY = "external_annotations"
+#: Namings kept for a CUDA snapshot: a window's rows (five a step) with room to spare.
+NAMINGS_KEPT = 64
 
 
 def phase_annotations(
@@ -128,6 +131,8 @@ class HistoryWindow:
     def __post_init__(self) -> None:
         #: ``(step, phase, time_us)`` of every row, for the snapshot header's phase bands.
         self.phase_marks: deque[tuple[int, str, int]] = deque(maxlen=max(1000, self.config.max_entries // 10))
+        #: The live storages' addresses by category at each naming inside the window (CUDA without the tracker).
+        self.namings: deque[Naming] = deque(maxlen=NAMINGS_KEPT)
 
     @property
     def is_open(self) -> bool:
@@ -203,11 +208,18 @@ class HistoryWindow:
                     cuda_history.stop_cuda_history()
         return self.files.write_snapshot(window_snapshot_filename(self.rank, first, last), snapshot)
 
-    def snapshot_now(self, since_us: int = 0) -> dict[str, Any]:
+    def note_names(self, named: NamedStorages, time_us: int) -> None:
+        """The live storages were named at ``time_us``: kept while the window records the CUDA allocator's history,
+        for its snapshot's categories (:mod:`~lightning_memtrace.capture.cuda_names`)."""
+        if self._open is not None:
+            self.namings.append(naming_of(named, time_us))
+
+    def snapshot_now(self, since_us: int = 0, naming: Naming | None = None) -> dict[str, Any]:
         """The allocator's state now and the history its ring buffer holds (since ``since_us``), memory_viz's format.
 
         ``external_annotations`` holds the ``record_function`` ranges (torch's own on CUDA, the tracker's on CPU) and
-        MemTrace's phases (:func:`phase_annotations`), ordered by time.
+        MemTrace's phases (:func:`phase_annotations`), ordered by time. On CUDA its allocations get the categories of
+        the namings kept (and ``naming``, one made now).
         """
         now_us = time.time_ns() // 1000
         device_index = self.device.index or 0
@@ -215,12 +227,19 @@ class HistoryWindow:
             snapshot = self.tracker.snapshot(since_us=since_us, device_index=device_index)
         elif self.device.type == "cuda" and cuda_history.cuda_history_supported():
             snapshot = cuda_history.cuda_snapshot()
+            self._name_allocations(snapshot, device_index, [*self.namings, *([naming] if naming else [])])
         else:
             snapshot = {"segments": [], "device_traces": []}
         # Phases before the oldest event the snapshot holds (a step snapshot after a long run) are left out.
         since_us = max(since_us, _first_time_us(snapshot))
         merge_annotations(snapshot, phase_annotations(self.phase_marks, since_us, now_us, device_index))
         return snapshot
+
+    def _name_allocations(self, snapshot: dict[str, Any], device_index: int, namings: list[Naming]) -> None:
+        try:
+            name_allocations(snapshot, namings, device_index)
+        except Exception as error:  # noqa: BLE001 - the snapshot stands without them: readers infer categories
+            self.warn("snapshot_categories", f"could not put the rows' categories on the CUDA snapshot: {error!r}")
 
     def header(self, first: int, last: int, since_us: int) -> dict[str, Any]:
         """MemTrace's part of a snapshot (``snapshot["memtrace"]``)."""
