@@ -182,11 +182,19 @@ def trainer(tmp_path, callbacks, **kwargs) -> pl.Trainer:
 
 
 def record_plain_loop(
-    model: nn.Module, optimizer, folder, steps: int, batch_size: int, after_batch=None, **recorder_kwargs
+    model: nn.Module,
+    optimizer,
+    folder,
+    steps: int,
+    batch_size: int,
+    after_batch=None,
+    in_forward=None,
+    **recorder_kwargs,
 ):
     """A plain PyTorch loop of ``steps`` steps (random batches of ``batch_size`` rows, squared-output loss) under a
-    ``MemoryRecorder`` writing into ``folder`` (None: no files); ``after_batch(recorder, step)`` is called after each
-    batch's end. Returns the stopped recorder."""
+    ``MemoryRecorder`` writing into ``folder`` (None: no files); ``in_forward(step)`` is called after the model's
+    forward (before the ``after_forward`` row), ``after_batch(recorder, step)`` after each batch's end. Returns the
+    stopped recorder."""
     from lightning_memtrace import MemoryRecorder
 
     features = next(m for m in model.modules() if isinstance(m, nn.Linear)).in_features
@@ -195,6 +203,8 @@ def record_plain_loop(
             x = torch.randn(batch_size, features)
             recorder.begin_batch(x, step=step)
             loss = model(x).square().mean()
+            if in_forward is not None:
+                in_forward(step)
             recorder.mark_forward_done()
             loss.backward()
             recorder.mark_backward_done()

@@ -12,7 +12,7 @@ from lightning_memtrace import MemoryRecorder, MemTrace, load_phases, what_if
 from lightning_memtrace.capture.storages import unique_storage_bytes
 from lightning_memtrace.estimator.budget import device_memory_bytes
 from lightning_memtrace.units import format_bytes
-from lm_helpers import MLP, trainer
+from lm_helpers import MLP, record_plain_loop, trainer
 
 
 def test_cpu_oom_in_training_step_writes_post_mortem(tmp_path):
@@ -407,21 +407,15 @@ def test_the_oom_snapshot_counts_categories_as_the_post_mortem_does(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scratch_bytes = 4 * 1024**2
+    scratch = []
+
+    def die_in_the_second_forward(step: int) -> None:
+        if step == 1:
+            scratch.append(torch.zeros(scratch_bytes // 4))  # alive at the error
+            torch.empty(10**15, dtype=torch.uint8)
+
     with pytest.raises(RuntimeError, match="can't allocate memory"):
-        with MemoryRecorder(model, [optimizer], output_dir=tmp_path, what_if_budget_s=0) as recorder:
-            for step in range(2):
-                x = torch.randn(8, 64)
-                recorder.begin_batch(x, step=step)
-                out = model(x)
-                if step == 1:
-                    scratch = torch.zeros(scratch_bytes // 4)  # noqa: F841 (alive at the error)
-                    torch.empty(10**15, dtype=torch.uint8)
-                recorder.mark_forward_done()
-                out.sum().backward()
-                recorder.mark_backward_done()
-                optimizer.step()
-                optimizer.zero_grad()
-                recorder.end_batch()
+        record_plain_loop(model, optimizer, tmp_path, 2, 8, in_forward=die_in_the_second_forward, what_if_budget_s=0)
     text = (tmp_path / "oom_rank0_step1.txt").read_text()
     in_text = {
         line.split()[0]: int(line.split("(")[-1].rstrip(" B)").replace(",", ""))
@@ -431,6 +425,7 @@ def test_the_oom_snapshot_counts_categories_as_the_post_mortem_does(tmp_path):
     live = dev.allocations[dev.allocations["end_index"] >= dev.num_events]
     in_pickle = live.groupby(live["category"].astype(str), observed=True)["size"].sum()
     assert in_text["other"] >= scratch_bytes and in_pickle["other"] >= scratch_bytes
-    # saved for backward: GELU's input and the second Linear's input (8 x 256 float32 each); x is the batch
-    assert int(in_pickle["activations"]) == in_text["activations"] == 2 * 8 * 256 * 4
+    # saved for backward: GELU's and the second Linear's inputs (8 x 256 float32 each), the loss's square's input
+    # (8 x 64); x is the batch
+    assert int(in_pickle["activations"]) == in_text["activations"] == 2 * 8 * 256 * 4 + 8 * 64 * 4
     assert int(in_pickle["parameters"]) == in_text["parameters"] == sum(p.numel() * 4 for p in model.parameters())

@@ -10,6 +10,7 @@ import torch
 from torch.cuda import _memory_viz
 
 import pytest
+from lm_helpers import record_plain_loop
 
 from lightning_memtrace import MemoryRecorder
 from lightning_memtrace.analysis.loader import load_snapshot
@@ -240,20 +241,13 @@ KEPT_BYTES = 16 * 1024  # made in the forward, kept by the step: neither saved f
 def _keep_one_tensor_a_step(tmp_path: Path, **settings) -> tuple[Path, list[torch.Tensor]]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+    kept: list[torch.Tensor] = []
+
+    def keep(step: int) -> None:
+        kept.append(torch.full((KEPT_BYTES // 4,), float(step)))
+
     optimizer = torch.optim.AdamW(model.parameters())
-    kept = []
-    with MemoryRecorder(model, [optimizer], output_dir=tmp_path, history_skip_steps=0, **settings) as recorder:
-        for step in range(2):
-            x = torch.randn(8, 32)
-            recorder.begin_batch(x, step=step)
-            out = model(x)
-            kept.append(torch.full((KEPT_BYTES // 4,), float(step)))
-            recorder.mark_forward_done()
-            out.sum().backward()
-            recorder.mark_backward_done()
-            optimizer.step()
-            optimizer.zero_grad()
-            recorder.end_batch()
+    record_plain_loop(model, optimizer, tmp_path, 2, 8, in_forward=keep, history_skip_steps=0, **settings)
     (path,) = sorted(tmp_path.rglob("snapshot_*.pickle"))
     return path, kept
 

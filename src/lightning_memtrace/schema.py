@@ -21,6 +21,8 @@ PRODUCER = "lightning_memtrace"
 TAG_FIELD = "user_metadata"
 #: The per-allocation (and per-block) field that holds MemTrace's category.
 CATEGORY_FIELD = "category"
+#: The category of an allocation MemTrace never saw when it named the live storages (readers infer one for it).
+UNKNOWN_CATEGORY = "unknown"
 
 _TAG_RE = re.compile(r"(\w+)=([^\s,;]+)")
 

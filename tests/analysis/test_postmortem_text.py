@@ -96,3 +96,17 @@ def test_post_mortem_names_ddp_buckets(expected) -> None:
     expected(render_post_mortem(pm), "postmortem_ddp_buckets.txt")
     pm.ddp_bucket_bytes = 15 * 1024**2  # under 5%
     assert "DDP" not in render_post_mortem(pm)
+
+
+def test_largest_blocks_of_a_cuda_snapshot_show_the_categories_memtrace_gave_them() -> None:
+    from lightning_memtrace.analysis.postmortem import largest_blocks_from_snapshot
+
+    blocks = [
+        {"size": 4096, "requested_size": 4000, "state": "active_allocated", "category": "parameters"},
+        {"size": 2048, "state": "active_allocated", "category": "unknown"},  # no naming saw it
+        {"size": 8192, "state": "active_allocated", "category": "other"},
+        {"size": 1024, "state": "active_allocated"},  # a snapshot without categories
+        {"size": 65536, "state": "inactive"},
+    ]
+    largest = largest_blocks_from_snapshot({"segments": [{"blocks": blocks}], "device_traces": []})
+    assert [(b.nbytes, b.category) for b in largest] == [(8192, "other"), (4000, "parameters"), (2048, ""), (1024, "")]

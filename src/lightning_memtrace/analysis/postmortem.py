@@ -9,6 +9,7 @@ from lightning_memtrace.analysis.growth import Growth
 from lightning_memtrace.analysis.frames import format_frame, user_frame
 from lightning_memtrace.analysis.view import post_mortem_view
 from lightning_memtrace.capture.ddp_buckets import bucket_view_saving
+from lightning_memtrace.schema import CATEGORY_FIELD, UNKNOWN_CATEGORY
 from lightning_memtrace.types import Category, Frame, Stage
 from lightning_memtrace.units import format_bytes, format_bytes_exact
 
@@ -204,6 +205,12 @@ def render_post_mortem(pm: PostMortem) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _named_category(value: Any) -> str:
+    """A block's category as the list of largest allocations shows it: none where MemTrace named it nothing."""
+    category = str(value or "")
+    return "" if category == UNKNOWN_CATEGORY else category
+
+
 def largest_blocks_from_snapshot(snapshot: dict[str, Any], limit: int = 10) -> list[LiveBlock]:
     """The largest active blocks of a torch-format snapshot."""
     blocks = []
@@ -215,7 +222,7 @@ def largest_blocks_from_snapshot(snapshot: dict[str, Any], limit: int = 10) -> l
                         nbytes=int(block.get("requested_size") or block.get("size") or 0),
                         frames=list(block.get("frames") or []),
                         metadata=str(block.get("user_metadata", "") or ""),
-                        category=str(block.get("category", "") or ""),
+                        category=_named_category(block.get(CATEGORY_FIELD)),
                     )
                 )
     blocks.sort(key=lambda b: b.nbytes, reverse=True)

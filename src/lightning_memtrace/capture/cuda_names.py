@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from lightning_memtrace.capture.categories import NamedStorages
-from lightning_memtrace.capture.snapshot_builder import UNKNOWN_CATEGORY, UNNAMED_CATEGORY, unknown_marker
-from lightning_memtrace.schema import CATEGORY_FIELD
+from lightning_memtrace.capture.snapshot_builder import UNNAMED_CATEGORY, unknown_marker
+from lightning_memtrace.schema import CATEGORY_FIELD, UNKNOWN_CATEGORY
 
 #: ``(time_us, {address: category})``: the live storages as one naming named them.
 Naming = tuple[int, dict[int, str]]

@@ -14,11 +14,9 @@ from collections.abc import Iterable
 from typing import Any
 
 from lightning_memtrace.capture.allocation_state import ALLOC, FREE, LiveAllocation, OutOfMemoryEvent
-from lightning_memtrace.schema import CATEGORY_FIELD, TAG_FIELD
+from lightning_memtrace.schema import CATEGORY_FIELD, TAG_FIELD, UNKNOWN_CATEGORY
 from lightning_memtrace.types import Category
 
-#: The category of an allocation MemTrace never saw when it named the live storages (readers infer one for it).
-UNKNOWN_CATEGORY = "unknown"
 #: The category of an allocation alive where MemTrace named the live storages that was none of them (as the rows
 #: count it).
 UNNAMED_CATEGORY = Category.OTHER.value
