@@ -305,6 +305,10 @@ def test_diff_of_two_cpu_runs_names_sides_by_folder(
     assert "KiB (" in peak_row and " B)" in peak_row  # human units with the exact bytes, as summary shows them
     params_row = next(line for line in lines if " parameters " in line)
     assert "KiB (+" in params_row
+    # memory allocated before the window is one site per category, named once (not "<...> (<...>)")
+    before = [line for line in lines if "<allocated before recording>" in line]
+    assert any("· parameters " in line for line in before)
+    assert all(line.count("<allocated before recording>") == 1 for line in before)
 
 
 def test_side_names() -> None:

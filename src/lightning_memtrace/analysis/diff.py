@@ -38,7 +38,9 @@ def _site_key_frame(sites: pd.DataFrame, name_by_script: bool) -> pd.DataFrame:
         # different script names for the same line (profile_grad.py vs profile_no_grad.py) still match by basename
         frame["key"] = frame["function"].astype(str) + " @ line " + frame["line"].astype(str)
     else:
-        frame["key"] = frame["site"].astype(str) + " (" + frame["function"].astype(str) + ")"
+        site, function = frame["site"].astype(str), frame["function"].astype(str)
+        # a site without a line (memory allocated before recording) is named by its function alone already
+        frame["key"] = site.where(site == function, site + " (" + function + ")")
     return frame.groupby("key", sort=False)["bytes"].sum()
 
 
