@@ -188,3 +188,25 @@ def test_the_window_keeps_its_rows_namings_for_the_cuda_snapshot(monkeypatch) ->
         (addr, "parameters"),
         (addr + 4096, "other"),
     ]
+
+
+def test_events_without_times_are_left_unknown() -> None:
+    """Lifetimes are read from ``time_us``: an allocation or free without one gets no category from the namings."""
+    trace = [_event("alloc", 0x1000, 512, 10), _event("alloc", 0x2000, 512, 20), *_freed(0x2000, 512, 150)]
+    del trace[0]["time_us"]
+    trace[2]["time_us"] = None  # the free_requested of 0x2000
+    snapshot = {"segments": [], "device_traces": [trace]}
+    name_allocations(snapshot, [(100, {0x1000: "activations", 0x2000: "parameters"})], 0)
+    assert _categories(snapshot) == [
+        ("alloc", 0x1000, "unknown"),
+        ("alloc", 0x2000, "unknown"),
+        ("free_requested", 0x2000, "unknown"),
+        ("free_completed", 0x2000, "unknown"),
+    ]
+
+
+def test_a_trace_without_free_requested_events_ends_allocations_at_free_completed() -> None:
+    trace = [_event("alloc", 0x1000, 512, 10), _event("free_completed", 0x1000, 512, 150)]
+    snapshot = {"segments": [], "device_traces": [trace]}
+    name_allocations(snapshot, [(100, {0x1000: "activations"}), (200, {0x1000: "gradients"})], 0)
+    assert _categories(snapshot)[:2] == [("alloc", 0x1000, "activations"), ("free_completed", 0x1000, "activations")]

@@ -61,32 +61,45 @@ def name_allocations(snapshot: dict[str, Any], namings: Sequence[Naming], device
     made: dict[Any, dict[str, Any]] = {}  # address -> the alloc event of the allocation alive there
     freed: dict[Any, str] = {}  # address -> the category of the allocation freed there, until its free completes
     for event in trace:
-        action, addr, time_us = event.get("action"), event.get("addr"), event.get("time_us")
+        action, addr = event.get("action"), event.get("addr")
         if action == "alloc":
             made[addr] = event
             event[CATEGORY_FIELD] = UNKNOWN_CATEGORY
-        elif action == "free_requested":
+        elif action == "free_requested" or (action == "free_completed" and addr in made):
+            # (a free_completed with its allocation still open: a trace without free_requested events)
             alloc = made.pop(addr, None)
-            start = alloc.get("time_us") if alloc is not None else None
-            category = by_time.category(addr, start, time_us)
+            end = _time(event)
+            category = _lifetime_category(by_time, addr, alloc, end) if end is not None else UNKNOWN_CATEGORY
             if alloc is not None:
                 alloc[CATEGORY_FIELD] = category
-            event[CATEGORY_FIELD] = freed[addr] = category
+            event[CATEGORY_FIELD] = category
+            if action == "free_requested":
+                freed[addr] = category
         elif action == "free_completed":
-            alloc = made.pop(addr, None)  # a trace without free_requested events
-            if alloc is not None:
-                alloc[CATEGORY_FIELD] = by_time.category(addr, alloc.get("time_us"), time_us)
-                freed[addr] = alloc[CATEGORY_FIELD]
             event[CATEGORY_FIELD] = freed.pop(addr, UNKNOWN_CATEGORY)
         else:
             event.setdefault(CATEGORY_FIELD, UNKNOWN_CATEGORY)
     for addr, alloc in made.items():  # alive at the end
-        alloc[CATEGORY_FIELD] = by_time.category(addr, alloc.get("time_us"), None)
+        alloc[CATEGORY_FIELD] = _lifetime_category(by_time, addr, alloc, None)
     if trace and all(event.get(CATEGORY_FIELD) != UNKNOWN_CATEGORY for event in trace):
         trace.append(unknown_marker(trace[-1].get("time_us", 0), ""))
     for segment in snapshot.get("segments") or []:
         if isinstance(segment, dict) and segment.get("device", device_index) == device_index:
             _name_blocks(segment, made, by_time)
+
+
+def _time(event: dict[str, Any]) -> int | None:
+    value = event.get("time_us")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _lifetime_category(by_time: _Namings, addr: Any, alloc: dict[str, Any] | None, end_us: int | None) -> str:
+    """The category of the allocation at ``addr`` made by ``alloc`` (None: before the trace) and freed at ``end_us``
+    (None: alive at the end); ``unknown`` where its making has no time."""
+    if alloc is None:
+        return by_time.category(addr, None, end_us)
+    start = _time(alloc)
+    return by_time.category(addr, start, end_us) if start is not None else UNKNOWN_CATEGORY
 
 
 def _name_blocks(segment: dict[str, Any], made: dict[Any, dict[str, Any]], by_time: _Namings) -> None:
