@@ -59,6 +59,27 @@ QUESTION = {
     "file": (str, NoneType),
 }
 FINDING = {"code": str, "severity": str, "message": str, "numbers": MapOf(JSON_VALUE)}
+POST_MORTEM = {
+    "file": str,
+    "rank": int,
+    "device": str,
+    "step": int,
+    "epoch": int,
+    "batch_idx": int,
+    "dataloader_idx": int,
+    "stage": str,
+    "exception_type": str,
+    "message": str,
+    "raised_as": (str, NoneType),
+    "requested_bytes": (int, NoneType),
+    "allocated_bytes": int,
+    "reserved_bytes": int,
+    "device_free_bytes": (int, NoneType),
+    "categories": MapOf(int),
+    "failed_at": (str, NoneType),
+    "advice": [str],
+    "what_if": (MapOf(JSON_VALUE), NoneType),
+}
 RUN = {
     "run": str,
     "label": str,
@@ -68,6 +89,7 @@ RUN = {
     "category_rules": MapOf(str),
     "question": QUESTION,
     "findings": [FINDING],
+    "post_mortems": [POST_MORTEM],
     "devices": [DEVICE],
 }
 SUMMARY = {"schema": str, "file": str, **RUN}

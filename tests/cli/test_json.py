@@ -108,6 +108,51 @@ def test_summary_json_findings_with_their_numbers(capsys: pytest.CaptureFixture[
     assert at["findings"] == obj["findings"]
 
 
+def test_summary_json_of_an_out_of_memory_run_holds_its_post_mortem(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Where and why the run died, what was live, the line that asked and what to change, as data."""
+    import torch
+
+    from lm_helpers import record_plain_loop
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+
+    def ask_too_much(step: int) -> None:
+        if step == 1:
+            torch.empty(10**15, dtype=torch.uint8)
+
+    optimizer = torch.optim.AdamW(model.parameters())
+    with pytest.raises(RuntimeError, match="can't allocate memory"):
+        record_plain_loop(model, optimizer, tmp_path, 2, 8, in_forward=ask_too_much, what_if_budget_s=0)
+    obj = run_json(capsys, ["summary", str(tmp_path), "--json"])
+    check_shape(obj, SUMMARY)
+    (pm,) = obj["post_mortems"]
+    text = (tmp_path / "oom_rank0_step1.txt").read_text()
+    assert (pm["file"], pm["step"], pm["stage"], pm["requested_bytes"]) == ("oom_rank0_step1.pickle", 1, "forward", 10**15)
+    params = sum(p.numel() * 4 for p in model.parameters())
+    assert pm["categories"]["parameters"] == params and pm["categories"]["optimizer_state"] == 2 * params + 4 * 4
+    assert sum(pm["categories"].values()) == pm["allocated_bytes"]
+    assert pm["failed_at"].endswith("ask_too_much") and __file__.rsplit("/", 1)[-1] in pm["failed_at"]
+    assert f"failed at:     {pm['failed_at']}" in text
+    assert pm["advice"] and all(" ".join(tip.split()) in " ".join(text.split()) for tip in pm["advice"])
+    assert pm["what_if"] is None  # what_if_budget_s=0
+    assert any(f["code"] == "oom" for f in obj["findings"])
+    # a snapshot without one, and a post-mortem of the wrong shape (the file is untrusted): none, no error
+    assert run_json(capsys, ["summary", str(fixture_path("shreyansh26_profile_grad.pkl")), "--json"])["post_mortems"] == []
+    import pickle
+
+    snapshot = pickle.loads((tmp_path / "oom_rank0_step1.pickle").read_bytes())
+    snapshot["memtrace"]["post_mortem"] = {"step": "one", "message": 3, "largest": "x"}
+    (tmp_path / "hostile.pickle").write_bytes(pickle.dumps(snapshot))
+    assert run_json(capsys, ["summary", str(tmp_path / "hostile.pickle"), "--json"])["post_mortems"] == []
+    snapshot["memtrace"]["post_mortem"] = {"step": 2, "message": "m", "categories": {"a": "b"}, "largest": [{}, 5]}
+    (tmp_path / "odd.pickle").write_bytes(pickle.dumps(snapshot))
+    (odd,) = run_json(capsys, ["summary", str(tmp_path / "odd.pickle"), "--json"])["post_mortems"]
+    assert (odd["step"], odd["categories"], odd["requested_bytes"], odd["failed_at"]) == (2, {}, None, None)
+
+
 def test_summary_json_window_is_exact(capsys: pytest.CaptureFixture[str]) -> None:
     path = fixture_path("kkaitlyn111_memory_files_memory_ctx128_fullstep.pickle")
     dev = replay(load_snapshot(path)).main

@@ -5,7 +5,8 @@ answers", and held by ``tests/cli/test_json.py``).
 Summary, one run::
 
     {"file", "run", "label", "snapshot", "is_memtrace", "categories_inferred", "category_rules", "question",
-     "findings": [{"code", "severity", "message", "numbers"}...], "devices": [device...]}
+     "findings": [{"code", "severity", "message", "numbers"}...], "post_mortems": [post-mortem...],
+     "devices": [device...]}
 
 A folder holding several runs: ``{"file", "runs": [<one run's object>...]}``, oldest first. Each device::
 
@@ -23,7 +24,9 @@ from typing import Any
 from lightning_memtrace.analysis.annotations import annotation_rows
 from lightning_memtrace.analysis.diff import Diff
 from lightning_memtrace.analysis.findings import Finding
+from lightning_memtrace.analysis.frames import format_frame, user_frame
 from lightning_memtrace.analysis.model import DeviceReplay, Peak
+from lightning_memtrace.analysis.postmortem import PostMortem, advice, has_what_if_table, post_mortem_from_dict
 from lightning_memtrace.analysis.questions import Answer, Question, ask, phase_peaks
 from lightning_memtrace.analysis.ranks import rank_overview, source_findings
 from lightning_memtrace.analysis.source import LoadedSnapshot, ReportSource
@@ -120,6 +123,47 @@ def finding_object(finding: Finding) -> dict[str, Any]:
     }
 
 
+def post_mortem_object(loaded: LoadedSnapshot) -> dict[str, Any] | None:
+    """The post-mortem an ``oom_*.pickle`` holds, as data: where and why the run died, live memory by category, the
+    line that asked for the memory, what to change (the text's "what to change", one sentence each) and what would
+    fit; None for a snapshot that holds none."""
+    header = loaded.replay.memtrace or {}
+    pm = post_mortem_from_dict(header.get("post_mortem"))
+    if pm is None:
+        return None
+    failed_at = user_frame(pm.failing_frames) if pm.failing_frames else None
+    return {
+        "file": loaded.path.name,
+        "rank": pm.rank,
+        "device": pm.device,
+        "step": pm.step,
+        "epoch": pm.epoch,
+        "batch_idx": pm.batch_idx,
+        "dataloader_idx": pm.dataloader_idx,
+        "stage": pm.stage,
+        "exception_type": pm.exception_type,
+        "message": pm.message,
+        "raised_as": pm.raised_as,
+        "requested_bytes": pm.requested_bytes,
+        "allocated_bytes": pm.allocated_bytes,
+        "reserved_bytes": pm.reserved_bytes,
+        "device_free_bytes": pm.device_free_bytes,
+        "categories": {name: int(value) for name, value in pm.categories.items()},
+        "failed_at": format_frame(failed_at) if failed_at is not None else None,
+        "advice": advice(pm),
+        "what_if": _what_if_data(pm),
+    }
+
+
+def _what_if_data(pm: PostMortem) -> dict[str, Any] | None:
+    """The post-mortem's what-if as data (its rows, the combination that fits, the memory it fits in); its rendered
+    text left out. None where it made none."""
+    if not has_what_if_table(pm):
+        return None
+    assert pm.what_if is not None
+    return plain_value({key: value for key, value in pm.what_if.items() if not key.endswith("text")})
+
+
 def question_object(question: Question) -> dict[str, Any]:
     """The question as asked (None where not)."""
     return {
@@ -151,6 +195,7 @@ def run_object(
         "category_rules": dict(main.replay.category_rules) if main is not None else {},
         "question": question_object(question),
         "findings": [finding_object(f) for f in source_findings(source, rank_overview(source))],
+        "post_mortems": [pm for pm in map(post_mortem_object, source.snapshots) if pm is not None],
         "devices": [],
     }
     if main is None:

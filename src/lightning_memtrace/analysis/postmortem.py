@@ -68,6 +68,71 @@ class PostMortem:
         return dataclasses.asdict(self)
 
 
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _frames(value: Any) -> list[Frame]:
+    return [frame for frame in value if isinstance(frame, dict)] if isinstance(value, list) else []
+
+
+def _growth(value: Any) -> dict[str, Any] | None:
+    """A growth dict that tells its sentence, else None (the header is untrusted data)."""
+    if not isinstance(value, dict):
+        return None
+    try:
+        Growth.from_dict(value).sentence()
+    except Exception:  # noqa: BLE001 - not a growth this version can tell
+        return None
+    return value
+
+
+def post_mortem_from_dict(values: Any) -> PostMortem | None:
+    """The post-mortem a snapshot's header holds (:meth:`PostMortem.as_dict`), read field by field as a value of its
+    type or its default (a snapshot is untrusted); None where ``values`` is not one (no ``step`` or ``message``)."""
+    if not isinstance(values, dict) or _int(values.get("step")) is None or not isinstance(values.get("message"), str):
+        return None
+
+    def number(key: str) -> int:
+        return _int(values.get(key)) or 0
+
+    def text(key: str) -> str:
+        value = values.get(key)
+        return value if isinstance(value, str) else ""
+
+    categories = values.get("categories") if isinstance(values.get("categories"), dict) else {}
+    blocks = values.get("largest") if isinstance(values.get("largest"), list) else []
+    largest = [
+        LiveBlock(b["nbytes"], _frames(b.get("frames")), str(b.get("metadata") or ""), str(b.get("category") or ""))
+        for b in blocks
+        if isinstance(b, dict) and _int(b.get("nbytes")) is not None
+    ]
+    expandable = values.get("expandable_serves")
+    return PostMortem(
+        rank=number("rank"),
+        device=text("device"),
+        step=number("step"),
+        epoch=number("epoch"),
+        batch_idx=number("batch_idx"),
+        stage=text("stage"),
+        exception_type=text("exception_type"),
+        message=text("message"),
+        requested_bytes=_int(values.get("requested_bytes")),
+        allocated_bytes=number("allocated_bytes"),
+        reserved_bytes=number("reserved_bytes"),
+        categories={str(k): v for k, v in categories.items() if _int(v) is not None},
+        largest=largest,
+        failing_frames=_frames(values.get("failing_frames")),
+        device_free_bytes=_int(values.get("device_free_bytes")),
+        what_if=values.get("what_if") if isinstance(values.get("what_if"), dict) else None,
+        dataloader_idx=number("dataloader_idx"),
+        growth=_growth(values.get("growth")),
+        ddp_bucket_bytes=number("ddp_bucket_bytes"),
+        expandable_serves=expandable if isinstance(expandable, bool) else None,
+        raised_as=values.get("raised_as") if isinstance(values.get("raised_as"), str) else None,
+    )
+
+
 def _dataloader_text(pm: PostMortem) -> str:
     # said only where it tells batches apart: with several validation dataloaders, batch_idx starts again in each
     return f", dataloader_idx {pm.dataloader_idx}" if pm.dataloader_idx else ""
