@@ -130,7 +130,8 @@ def test_summary_json_of_an_out_of_memory_run_holds_its_post_mortem(
     check_shape(obj, SUMMARY)
     (pm,) = obj["post_mortems"]
     text = (tmp_path / "oom_rank0_step1.txt").read_text()
-    assert (pm["file"], pm["step"], pm["stage"], pm["requested_bytes"]) == ("oom_rank0_step1.pickle", 1, "forward", 10**15)
+    where = (pm["file"], pm["step"], pm["stage"], pm["requested_bytes"])
+    assert where == ("oom_rank0_step1.pickle", 1, "forward", 10**15)
     params = sum(p.numel() * 4 for p in model.parameters())
     assert pm["categories"]["parameters"] == params and pm["categories"]["optimizer_state"] == 2 * params + 4 * 4
     assert sum(pm["categories"].values()) == pm["allocated_bytes"]
@@ -140,7 +141,8 @@ def test_summary_json_of_an_out_of_memory_run_holds_its_post_mortem(
     assert pm["what_if"] is None  # what_if_budget_s=0
     assert any(f["code"] == "oom" for f in obj["findings"])
     # a snapshot without one, and a post-mortem of the wrong shape (the file is untrusted): none, no error
-    assert run_json(capsys, ["summary", str(fixture_path("shreyansh26_profile_grad.pkl")), "--json"])["post_mortems"] == []
+    plain = fixture_path("shreyansh26_profile_grad.pkl")
+    assert run_json(capsys, ["summary", str(plain), "--json"])["post_mortems"] == []
     import pickle
 
     snapshot = pickle.loads((tmp_path / "oom_rank0_step1.pickle").read_bytes())

@@ -267,10 +267,11 @@ def build_server() -> Any:
         max_bytes: str | None = None,
     ) -> CallToolResult:
         """`memtrace summary PATH --json`: the peak, categories, allocation sites and findings of a snapshot or a
-        MemTrace log folder, and the post-mortem of each out-of-memory error (why it died, what to change). window: "START_US:END_US", the peak inside a time window; at: the live state after
-        event N (0-based); step / phase: the peak over a step's / a phase's events; file: live bytes per line of the
-        source file ending with this path; device: answer on this device only; sites: how many allocation sites
-        (default 10); max_bytes: refuse larger files (default 8GiB); rules: category rules NAME=REGEX (--rule)."""
+        MemTrace log folder, and the post-mortem of each out-of-memory error (why it died, what to change). window:
+        "START_US:END_US", the peak inside a time window; at: the live state after event N (0-based); step / phase:
+        the peak over a step's / a phase's events; file: live bytes per line of the source file ending with this path;
+        device: answer on this device only; sites: how many allocation sites (default 10); max_bytes: refuse larger
+        files (default 8GiB); rules: category rules NAME=REGEX (--rule)."""
         argv = summary_argv(path, window, at, step, phase, file, device, sites, max_bytes, rules)
         return _result(argv)
 
