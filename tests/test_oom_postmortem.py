@@ -429,3 +429,5 @@ def test_the_oom_snapshot_counts_categories_as_the_post_mortem_does(tmp_path):
     # (8 x 64); x is the batch
     assert int(in_pickle["activations"]) == in_text["activations"] == 2 * 8 * 256 * 4 + 8 * 64 * 4
     assert int(in_pickle["parameters"]) == in_text["parameters"] == sum(p.numel() * 4 for p in model.parameters())
+    largest = _section(text, "10 largest live allocations:")
+    assert f"({scratch_bytes:,} B) other " in largest[0]

@@ -74,10 +74,12 @@ class OomCapture:
     last: PostMortem | None = dataclasses.field(default=None, init=False)
 
     def _live_blocks(self, limit: int = 10) -> list[LiveBlock]:
+        """The largest live allocations, just after the live storages were named: one named nothing is ``other``."""
         if self.tracker is None:
             return []
         entries = sorted(self.tracker.live_allocations(), key=lambda e: e.nbytes, reverse=True)[:limit]
-        return [LiveBlock(e.nbytes, list(e.frames or []), e.metadata, e.category or "") for e in entries]
+        other = Category.OTHER.value
+        return [LiveBlock(e.nbytes, list(e.frames or []), e.metadata, e.category or other) for e in entries]
 
     def capture(self, requested: int | None, frames: list, device_free: int | None = None) -> None:
         """Keep the state now (called where the allocation failed, before the stack unwinds)."""
