@@ -5,6 +5,7 @@ questions of time answer MemTrace's own CPU snapshots by step and phase; bad val
 from __future__ import annotations
 
 import json
+import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -153,6 +154,18 @@ def test_summary_json_of_an_out_of_memory_run_holds_its_post_mortem(
     (tmp_path / "odd.pickle").write_bytes(pickle.dumps(snapshot))
     (odd,) = run_json(capsys, ["summary", str(tmp_path / "odd.pickle"), "--json"])["post_mortems"]
     assert (odd["step"], odd["categories"], odd["requested_bytes"], odd["failed_at"]) == (2, {}, None, None)
+    deep: list = []
+    for _ in range(5000):
+        deep = [deep]
+    snapshot["memtrace"]["post_mortem"].update(what_if={"made": True, "what_if": deep})
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(20_000)  # to write it: the reader keeps the usual limit
+    try:
+        (tmp_path / "deep.pickle").write_bytes(pickle.dumps(snapshot))
+    finally:
+        sys.setrecursionlimit(limit)
+    (deep_pm,) = run_json(capsys, ["summary", str(tmp_path / "deep.pickle"), "--json"])["post_mortems"]
+    assert deep_pm["what_if"] is None and deep_pm["step"] == 2
 
 
 def test_summary_json_window_is_exact(capsys: pytest.CaptureFixture[str]) -> None:

@@ -161,7 +161,10 @@ def _what_if_data(pm: PostMortem) -> dict[str, Any] | None:
     if not has_what_if_table(pm):
         return None
     assert pm.what_if is not None
-    return plain_value({key: value for key, value in pm.what_if.items() if not key.endswith("text")})
+    try:
+        return plain_value({key: value for key, value in pm.what_if.items() if not key.endswith("text")})
+    except RecursionError:  # nested deeper than any what-if MemTrace writes: the file is not what it says
+        return None
 
 
 def question_object(question: Question) -> dict[str, Any]:
