@@ -110,7 +110,7 @@ def test_summary_json_findings_with_their_numbers(capsys: pytest.CaptureFixture[
 
 
 def test_summary_json_of_an_out_of_memory_run_holds_its_post_mortem(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Where and why the run died, what was live, the line that asked and what to change, as data."""
     import torch
@@ -141,6 +141,18 @@ def test_summary_json_of_an_out_of_memory_run_holds_its_post_mortem(
     assert pm["advice"] and all(" ".join(tip.split()) in " ".join(text.split()) for tip in pm["advice"])
     assert pm["what_if"] is None  # what_if_budget_s=0
     assert any(f["code"] == "oom" for f in obj["findings"])
+    # the text summary shows it as a table, and the report's embedded summary holds the same object
+    from report_pages import summary_json
+
+    from lightning_memtrace.report import write_report
+
+    monkeypatch.setenv("COLUMNS", "400")  # no cell wrapped
+    assert main(["summary", str(tmp_path)]) == 0
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "out of memory: oom_rank0_step1.pickle" in shown and f"failed at │ {pm['failed_at']}" in shown
+    assert "requested │ 909.5 TiB (1,000,000,000,000,000 B)" in shown and "what to change │" in shown
+    page = write_report(tmp_path, tmp_path / "r.html").read_text(encoding="utf-8")
+    assert summary_json(page)["post_mortems"] == obj["post_mortems"]
     # a snapshot without one, and a post-mortem of the wrong shape (the file is untrusted): none, no error
     plain = fixture_path("shreyansh26_profile_grad.pkl")
     assert run_json(capsys, ["summary", str(plain), "--json"])["post_mortems"] == []

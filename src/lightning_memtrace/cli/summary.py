@@ -149,6 +149,23 @@ def findings_table(findings: list[Any]) -> Any:
     return table
 
 
+def post_mortem_table(pm: dict[str, Any]) -> Any:
+    """One out-of-memory post-mortem (:func:`~lightning_memtrace.analysis.answers.post_mortem_object`): where and why
+    the run died, what was live, the line that asked and what to change."""
+    died = f"{pm['stage']}, step {pm['step']} (epoch {pm['epoch']}, batch_idx {pm['batch_idx']})"
+    rows = [["error", f"{pm['exception_type']}: {pm['message']}"], ["died in", died]]
+    if pm["raised_as"]:
+        rows.append(["raised as", pm["raised_as"]])
+    for key in ("requested_bytes", "allocated_bytes", "reserved_bytes"):
+        value = pm[key]
+        shown = "unknown" if value is None else f"{format_bytes(value)} ({value:,} B)"
+        rows.append([key.removesuffix("_bytes"), shown])
+    if pm["failed_at"]:
+        rows.append(["failed at", pm["failed_at"]])
+    rows += [["what to change" if i == 0 else "", tip] for i, tip in enumerate(pm["advice"])]
+    return _table(f"out of memory: {pm['file']}", [("", "left"), ("", "left")], rows, show_header=False)
+
+
 #: Annotated ranges the summary lists (the report lists more).
 MAX_ANNOTATED_RANGES = 40
 
@@ -232,6 +249,7 @@ def print_annotations(out: Any, main: Any) -> None:
 
 def print_source(out: Any, source: Any, sites: int) -> None:
     """One run's tables: the peak, categories, sites, ranks, per-phase peaks and findings."""
+    from lightning_memtrace.analysis.answers import post_mortem_object
     from lightning_memtrace.analysis.ranks import rank_overview, source_findings
     from lightning_memtrace.analysis.view import snapshot_view
 
@@ -250,6 +268,10 @@ def print_source(out: Any, source: Any, sites: int) -> None:
     if source.phases is not None:
         out.print(phases_table(source.phases))
     out.print(findings_table(findings))
+    for loaded in source.snapshots:
+        pm = post_mortem_object(loaded)
+        if pm is not None:
+            out.print(post_mortem_table(pm))
     print_annotations(out, source.main)
 
 
