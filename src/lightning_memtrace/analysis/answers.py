@@ -155,6 +155,11 @@ def post_mortem_object(loaded: LoadedSnapshot) -> dict[str, Any] | None:
     }
 
 
+def post_mortem_objects(source: ReportSource) -> list[dict[str, Any]]:
+    """The post-mortem of each of the run's snapshots that holds one (:func:`post_mortem_object`), in their order."""
+    return [pm for pm in map(post_mortem_object, source.snapshots) if pm is not None]
+
+
 def _what_if_data(pm: PostMortem) -> dict[str, Any] | None:
     """The post-mortem's what-if as data (its rows, the combination that fits, the memory it fits in); its rendered
     text left out. None where it made none."""
@@ -198,7 +203,7 @@ def run_object(
         "category_rules": dict(main.replay.category_rules) if main is not None else {},
         "question": question_object(question),
         "findings": [finding_object(f) for f in source_findings(source, rank_overview(source))],
-        "post_mortems": [pm for pm in map(post_mortem_object, source.snapshots) if pm is not None],
+        "post_mortems": post_mortem_objects(source),
         "devices": [],
     }
     if main is None:

@@ -93,8 +93,9 @@ class OomCapture:
             snapshot = None
         else:
             allocated, reserved = cuda_allocated(self.device), cuda_reserved(self.device)
-            cuda = self.device.type == "cuda"
-            snapshot = self.window.snapshot_now(naming=naming_of(named, time_us)) if cuda else None
+            # inside the window the naming just made is kept already (HistoryWindow.note_names)
+            naming = None if self.window.is_open else naming_of(named, time_us)
+            snapshot = self.window.snapshot_now(naming=naming) if self.device.type == "cuda" else None
             largest = largest_blocks_from_snapshot(snapshot) if snapshot else []
         totals[Category.OTHER.value] = max(0, allocated - sum(totals.values()))
         step, _, _, stage, _ = self.where()

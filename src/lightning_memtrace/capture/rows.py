@@ -173,7 +173,7 @@ class RowReader:
 
     def classify(self) -> NamedStorages:
         """Every storage nameable now; the tracker counts those it did not see made and tags all of them."""
-        time_us = time.time_ns() // 1000
+        time_us = time.time_ns() // 1000 if self.on_named is not None else 0  # before naming: all of it exists then
         named = self.categories.name(
             inputs=self._live_inputs(), saved=self.saved.live_storages() if self.training else None
         )

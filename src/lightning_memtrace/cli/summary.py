@@ -150,7 +150,7 @@ def findings_table(findings: list[Any]) -> Any:
 
 
 def post_mortem_table(pm: dict[str, Any]) -> Any:
-    """One out-of-memory post-mortem (:func:`~lightning_memtrace.analysis.answers.post_mortem_object`): where and why
+    """One out-of-memory post-mortem (:func:`~lightning_memtrace.analysis.answers.post_mortem_objects`): where and why
     the run died, what was live, the line that asked and what to change."""
     died = f"{pm['stage']}, step {pm['step']} (epoch {pm['epoch']}, batch_idx {pm['batch_idx']})"
     rows = [["error", f"{pm['exception_type']}: {pm['message']}"], ["died in", died]]
@@ -249,7 +249,7 @@ def print_annotations(out: Any, main: Any) -> None:
 
 def print_source(out: Any, source: Any, sites: int) -> None:
     """One run's tables: the peak, categories, sites, ranks, per-phase peaks and findings."""
-    from lightning_memtrace.analysis.answers import post_mortem_object
+    from lightning_memtrace.analysis.answers import post_mortem_objects
     from lightning_memtrace.analysis.ranks import rank_overview, source_findings
     from lightning_memtrace.analysis.view import snapshot_view
 
@@ -268,10 +268,8 @@ def print_source(out: Any, source: Any, sites: int) -> None:
     if source.phases is not None:
         out.print(phases_table(source.phases))
     out.print(findings_table(findings))
-    for loaded in source.snapshots:
-        pm = post_mortem_object(loaded)
-        if pm is not None:
-            out.print(post_mortem_table(pm))
+    for pm in post_mortem_objects(source):
+        out.print(post_mortem_table(pm))
     print_annotations(out, source.main)
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import pandas as pd
 
 from lightning_memtrace.analysis.annotations import annotated_ranges, annotation_rows, compile_context_sites
-from lightning_memtrace.analysis.answers import finding_object, post_mortem_object
+from lightning_memtrace.analysis.answers import finding_object, post_mortem_objects
 from lightning_memtrace.analysis.categories import INFERENCE_RULES
 from lightning_memtrace.analysis.findings import Finding
 from lightning_memtrace.analysis.ranks import RankOverview, rank_overview, source_findings
@@ -376,7 +376,7 @@ def _fill(page: _Page, source: ReportSource, max_points: int, png_path: str | os
     page.sections += _other_sections(source)
     page.findings = source_findings(source, overview)
     page.summary["findings"] = [finding_object(f) for f in page.findings]
-    page.summary["post_mortems"] = [pm for pm in map(post_mortem_object, source.snapshots) if pm is not None]
+    page.summary["post_mortems"] = post_mortem_objects(source)
 
 
 def _document(title: str, body: str, summary: dict[str, Any]) -> str:
