@@ -210,3 +210,37 @@ def test_a_trace_without_free_requested_events_ends_allocations_at_free_complete
     snapshot = {"segments": [], "device_traces": [trace]}
     name_allocations(snapshot, [(100, {0x1000: "activations"}), (200, {0x1000: "gradients"})], 0)
     assert _categories(snapshot)[:2] == [("alloc", 0x1000, "activations"), ("free_completed", 0x1000, "activations")]
+
+
+def test_a_failure_to_name_the_cuda_snapshot_is_one_warning_and_the_snapshot_is_written(monkeypatch) -> None:
+    from lightning_memtrace.capture import cuda_history
+    from lightning_memtrace.capture import window as window_module
+    from lightning_memtrace.capture.config import RecorderConfig
+
+    trace = [_event("alloc", 0x1000, 512, 10)]
+    monkeypatch.setattr(cuda_history, "cuda_history_supported", lambda: True)
+    monkeypatch.setattr(cuda_history, "cuda_history_enabled", lambda: True)
+    monkeypatch.setattr(cuda_history, "tag_allocations", lambda text: True)
+    monkeypatch.setattr(cuda_history, "cuda_snapshot", lambda: {"segments": [], "device_traces": [list(trace)]})
+    monkeypatch.setattr(window_module, "cuda_allocated", lambda device: 0)
+
+    def broken(*_: Any) -> None:
+        raise ValueError("odd trace")
+
+    monkeypatch.setattr(window_module, "name_allocations", broken)
+    written: dict[str, Any] = {}
+    warnings: list[tuple[str, str]] = []
+
+    class Files:
+        def write_snapshot(self, name, snapshot):
+            written[name] = snapshot
+
+    window = window_module.HistoryWindow(
+        RecorderConfig(history_skip_steps=0, history_steps=1), torch.device("cuda", 0), 0, None, Files(),
+        NamedStorages, lambda: None, lambda kind, message: warnings.append((kind, message)),
+    )
+    window.maybe_open(0)
+    window.close(0)
+    assert [e["addr"] for e in written["snapshot_rank0_steps0-0.pickle"]["device_traces"][0]] == [0x1000]
+    assert warnings == [("snapshot_categories", "could not put the rows' categories on the CUDA snapshot: "
+                         "ValueError('odd trace')")]
